@@ -243,7 +243,7 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
         raise DataError(f'unknown dataset {name!r}: choose one of {", ".join(DATASETS)}.')
     if data_dir is None and name != 'synthetic':
         raise DataError(f'{name} needs --data-dir, the folder that holds (or is to hold) its files.')
-    root = Path(data_dir).expanduser() if data_dir is not None else None
+    root = Path(data_dir).expanduser().resolve() if data_dir is not None else None
     ((train_src, train_y), (test_src, test_y)), names = _LOADERS[name](root, img_size, seed, download)
     found, expected = len(set(train_y) | set(test_y)), DATASETS[name]['num_classes']
     if found != expected or len(names) != expected:

@@ -10,9 +10,10 @@ merged at the task's end. Three pieces, named as in the paper's Sec. 3:
     delta_b_rect): closed-form factor gradients whose composite s (B dA + dB A) best matches it.
   * The Decoupled Margin Loss (DML, Eq. dml): a prototype cross-entropy over the current classes plus a
     hinge that pushes features away from the stored prototypes of old classes.
-Our reading of the paper where it is silent is in the README ("Where the paper is silent") and in
-../shared/DESIGN.md section 4; references: paper/janus-lora.tex; InfLoRA (Liang & Li, CVPR 2024) for
-the protocol; LoRA-Pro (Wang et al., ICLR 2025) for the tangent-space view of GR.
+Our reading of the paper where it is silent is in the README ("Where the paper is silent").
+References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning", ICML 2026;
+InfLoRA (Liang & Li, CVPR 2024) for the protocol; LoRA-Pro (Wang et al., ICLR 2025) for the
+tangent-space view of GR.
 """
 import argparse
 import copy
@@ -79,7 +80,7 @@ def rectify_gradients_(layers, delta):
 
 @torch.no_grad()
 def rectify_updates_(layers, before, delta):
-    """`--rectify update` (ours, DESIGN.md "Adam caveat"): Adam's per-coordinate scaling does not keep
+    """`--rectify update` (ours; README, "--rectify grad and update"): Adam's per-coordinate scaling does not keep
     a rectified gradient in the safe set, so rectify the step Adam proposed instead. The first-order
     composite step dW = s (B dA + dB A) is projected by Theorem 1 and rectified; only r-wide products
     are formed. `before` holds each layer's (A, B) from before `optimizer.step()`."""
@@ -205,7 +206,7 @@ def _opt(default, help, **kw):
 
 @dataclass
 class Config:
-    dataset: str = _opt("cifar100", "data set (DESIGN.md section 5)", choices=sorted(data.DATASETS))
+    dataset: str = _opt("cifar100", "data set (paper Sec. 4.1; protocol of the InfLoRA codebase)", choices=sorted(data.DATASETS))
     data_dir: str = _opt("data", "folder that holds (or receives) the data set")
     tasks: int = _opt(None, "number of tasks T (default: the protocol's, e.g. 10 for CIFAR-100; paper Sec. 4.1)")
     epochs: int = _opt(None, "epochs per task (default: CIFAR-100 20, ImageNet-R 50, DomainNet 5; paper Sec. 4.1)")
@@ -290,6 +291,9 @@ def check_config(cfg):
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if cfg.oe and cfg.k * (cfg.tasks - 1) > width:  # allowed, but the reader should know what follows
+        print(f"note: k x (T - 1) = {cfg.k * (cfg.tasks - 1)} exceeds the block width {width}: the protected memory "
+              f"fills at task {-(-width // cfg.k) + 1} and K/V stop learning from then on (README, 'Where the paper is silent')")
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -369,8 +373,9 @@ def _kv_state(model):
 
 
 def run(cfg, seed, base_model, splits, resume=None, log=print):
-    """All tasks for one seed, from `base_model` (the loaded backbone, copied, never changed).
-    After each task, `out/checkpoint.pt` holds everything the next task needs; `resume` is such a state."""
+    """All tasks for one seed, from `base_model` (the loaded backbone, copied, never changed). A generator:
+    after each task it yields the state the next task needs (main saves it as checkpoint.pt; `resume` is
+    such a state), and at the end the seed's results."""
     random.seed(seed)
     torch.manual_seed(seed)
     device = torch.device(cfg.device)

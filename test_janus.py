@@ -748,6 +748,10 @@ def test_oe_is_scale_free_and_merges_into_an_orthonormal_memory():
         assert float((M.T @ sub.basis).abs().max()) < 1e-5  # the next task's basis is off the memory
     sub.merge()
     assert sub.memory.shape[1] == 4 * k
+    layer = vit.LoRALinear(d, 8, 2, 1.0)
+    layer.memory = torch.linalg.qr(torch.randn(d, d)).Q
+    layer.reset_lora_()
+    assert float(layer.A.detach().abs().max()) == 0.0  # a full memory: an exact zero, not round-off for GR to amplify
     for _ in range(10):  # the memory never exceeds the width; a full memory leaves an empty basis
         sub.merge()
     assert sub.memory.shape[1] == d and sub.basis.shape[1] == 0
@@ -850,7 +854,7 @@ def test_two_task_violation_and_forgetting_of_the_four_variants():
         torch.manual_seed(1)
         if oe:
             lay.memory = M
-        lay.reset_lora_()  # fresh pair, A started off the memory when it is set (DESIGN.md section 3)
+        lay.reset_lora_()  # fresh pair, A started off the memory when it is set (README, "LoRA lifecycle")
         _fit(lay, X2, Y2, 300, gr=gr)
         with torch.no_grad():
             dW = lay.scale * lay.B @ lay.A

@@ -1,7 +1,7 @@
 """A from-scratch ViT (B/16 by default; S/16 and Ti/16 presets for CPU) with LoRA on K and V, and strict
 loading of the public checkpoints (Google npz, timm-style and torchvision state dicts, safetensors).
 
-References: Janus-LoRA (Chen et al., /work/shared/paper/janus-lora.tex); ViT (Dosovitskiy et al., ICLR 2021);
+References: Janus-LoRA (C. Chen et al., ICML 2026); ViT (Dosovitskiy et al., ICLR 2021);
 LoRA (Hu et al., ICLR 2022); AugReg (Steiner et al., TMLR 2022); SAM-trained ViT (Chen et al., ICLR 2022);
 DINO (Caron et al., ICCV 2021). Checkpoints (the AugReg names are big_vision's "howto-i21k-*" ones):
   in21k B/16  https://storage.googleapis.com/vit_models/augreg/B_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.0-sd_0.0.npz
@@ -71,10 +71,12 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def reset_lora_(self):
-        """A fresh pair in place: A Kaiming-uniform with its rows moved off span(M) (DESIGN.md section 3), B = 0."""
+        """A fresh pair in place: A Kaiming-uniform with its rows moved off span(M) (README, "LoRA lifecycle"), B = 0."""
         nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))  # nn.Linear's own init for (r, d_in) weights
         m = self.memory.to(self.A.dtype)
         self.A -= (self.A @ m) @ m.T
+        if m.shape[1] == m.shape[0]:  # a full memory leaves nothing safe to learn: an exact 0, not round-off
+            self.A.zero_()  # that GR's scale-free solves would blow up into a step
         self.B.zero_()
 
     @torch.no_grad()
