@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -287,7 +288,10 @@ def check_config(cfg):
                "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)"),
               (cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size"),
               (cfg.limit_per_class is None or cfg.limit_per_class >= 1, "--limit-per-class must be at least 1"),
-              (cfg.workers >= 0, "--workers must not be negative")]
+              (cfg.workers >= 0, "--workers must not be negative"),
+              (cfg.delta > 0 and cfg.oe_lr > 0 and cfg.oe_decay_steps >= 1 and cfg.steps >= 1,
+               "--delta, --oe-lr, --oe-decay-steps and --steps must be positive"),
+              (re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device), f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -296,8 +300,10 @@ def check_config(cfg):
               f"fills at task {-(-width // cfg.k) + 1} and K/V stop learning from then on (README, 'Where the paper is silent')")
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {cfg.device} asked for, but torch sees no GPU; use --device cpu")
+    index = int(cfg.device.partition(":")[2] or 0)
+    if cfg.device.startswith("cuda") and index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {cfg.device} asked for, but torch sees {torch.cuda.device_count()} GPU(s); "
+                          "use --device cpu or an index below that")
     return cfg
 
 
@@ -479,7 +485,8 @@ def plot(results, out):
     for r in results["runs"]:
         m = r["acc_matrix"]
         ax.plot(range(1, len(m) + 1), [sum(row[:t + 1]) / (t + 1) for t, row in enumerate(m)], "o-", label=f"seed {r['seed']}")
-    ax.set(xlabel="task", ylabel="average accuracy on seen tasks (%)", title=results["config"]["dataset"])
+    ax.set(xlabel="task", ylabel="average accuracy on seen tasks (%)", title=results["config"]["dataset"],
+           xticks=range(1, len(results["runs"][0]["acc_matrix"]) + 1))
     ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(out, "trajectory.png"), dpi=120)
     fig, ax = plt.subplots(figsize=(6, 3.5))  # paper Fig. 3: per-layer violation, mean over tasks 2..T
     viol = results["runs"][0]["violation"]
@@ -488,7 +495,8 @@ def plot(results, out):
         mean = [sum(col) / len(col) for col in zip(*rows)]
         ax.bar([i + off for i in range(len(mean))], mean, width=0.4, label=name.upper())
     ax.set(xlabel="block", ylabel="||dW M|| / ||dW||", title="null-space violation (seed %d)" % results["runs"][0]["seed"])
-    ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(out, "violation.png"), dpi=120)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
+    ax.legend(ncol=2, loc="upper right"), fig.tight_layout(), fig.savefig(os.path.join(out, "violation.png"), dpi=120)
 
 
 def benchmark(cfg):

@@ -694,6 +694,35 @@ def test_training_path_matches_dense_gr(device):
     assert rel(layer.A.grad, dA) < 1e-10 and rel(layer.B.grad, dB) < 1e-10
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_keeps_the_method_in_float32(device):
+    """Under bf16 autocast (CUDA in training; CPU here too) the backbone computes in bf16, but the safe
+    gradient, GR and OE stay in float32: A's gradient stays orthogonal to M to float32 round-off."""
+    torch.manual_seed(0)
+    model = vit.vit_tiny_patch16(img_size=32, patch_size=8).to(device)
+    M = orthonormal(192, 40, dtype=torch.float32, device=device)
+    for _, _, layer in model.lora_layers():
+        layer.memory = M
+        layer.reset_lora_()
+        torch.nn.init.normal_(layer.B, std=0.02)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        z, kv_inputs = model.encode(torch.randn(4, 3, 32, 32, device=device))
+    assert kv_inputs[0].dtype == torch.bfloat16  # the one bf16 copy q, k, v and OE share
+    z.float().pow(2).sum().backward()
+    layers = [layer for _, _, layer in model.lora_layers()]
+    for layer in layers:
+        assert layer.A.grad.dtype == torch.float32
+        assert float((layer.A.grad @ M).norm()) <= 1e-5 * float(layer.A.grad.norm())
+    jm.rectify_gradients_(layers, 1e-4)
+    sub = jm.OnlineSubspace(192, 8, device=device)
+    sub.memory = M
+    sub.basis = sub._fresh_basis()
+    sub.update(kv_inputs[3].detach().flatten(0, 1))
+    assert sub.basis.dtype == torch.float32 and float((M.T @ sub.basis).abs().max()) < 1e-5
+    for layer in layers:
+        assert torch.isfinite(layer.A.grad).all() and float((layer.A.grad @ M).norm()) <= 1e-5 * float(layer.A.grad.norm())
+
+
 # ---------------------------------------------------------------------------------------------------
 # Online Estimation
 # ---------------------------------------------------------------------------------------------------
@@ -903,6 +932,15 @@ def test_end_to_end_on_synthetic_data(tmp_path, capsys):
     assert "task 3/3 epoch 2/2" in out and "img/s" in out and "ETA" in out and "ACC" in out
 
 
+def test_plots_when_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")  # optional: without it the program prints a one-line note instead
+    A = [[90.0, None], [80.0, 70.0]]
+    viol = {"k": [[0.0, 0.0], [0.1, 0.2]], "v": [[0.0, 0.0], [0.3, 0.1]]}
+    jm.plot({"config": {"dataset": "synthetic"}, "runs": [{"seed": 0, "acc_matrix": A, "violation": viol}]}, str(tmp_path))
+    for name in ("trajectory.png", "violation.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_resume_gives_the_uninterrupted_result_and_runs_are_deterministic(tmp_path, monkeypatch):
     assert jm.main(TINY + ["--out", str(tmp_path / "a")]) == 0
     assert jm.main(TINY + ["--out", str(tmp_path / "c")]) == 0
@@ -960,6 +998,7 @@ def _bad_inputs(tmp):
         (TINY + ["--margin", "-0.1"], "--margin"), (TINY + ["--tau", "-1"], "--tau"),
         (TINY + ["--resume", str(tmp / "noresume")], "no checkpoint.pt"),
         (TINY + ["--device", "cuda:7"] if torch.cuda.is_available() else TINY + ["--device", "cuda"], "cuda"),
+        (TINY + ["--device", "tpu"], "--device"), (TINY + ["--delta", "0"], "--delta"),
     ]
 
 

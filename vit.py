@@ -111,7 +111,9 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim)))
 
     def forward(self, x):  # x (B, N+1, D) -> (x, h); h = norm1(x), the shared input of K and V
-        h = self.norm1(x)
+        h = self.norm1(x)  # float32 even under autocast (LayerNorm runs in float32)
+        if torch.is_autocast_enabled(x.device.type):  # cast once: q, k, v and the returned h share one bf16
+            h = h.to(torch.get_autocast_dtype(x.device.type))  # copy, instead of 3 casts and a float32 h kept for OE
         x = x + self.attn(h)
         return x + self.mlp(self.norm2(x)), h
 
