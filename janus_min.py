@@ -100,7 +100,7 @@ def rectify_updates_(layers, before, delta):
 @torch.no_grad()
 def violation(layer):
     """Relative null-space violation ||dW M||_F / ||dW||_F of the layer's task update dW = s B A
-    (paper Fig. 3), from r x r products only: ||B A||_F^2 = tr((B^T B)(A A^T))."""
+    (the paper's null-space violation figure, Fig. 2), from r x r products only: ||B A||_F^2 = tr((B^T B)(A A^T))."""
     A, B, M = layer.A, layer.B, layer.memory
     if M.shape[1] == 0:
         return 0.0
@@ -226,9 +226,9 @@ class Config:
     margin: float = _opt(0.3, "DML margin m (paper Sec. 4.1)")
     lambda_dml: float = _opt(1.0, "DML weight lambda (paper Eq. total_loss, Sec. 4.1)")
     tau: float = _opt(0.07, "DML temperature tau (paper Sec. 4.1, after CLIP)")
-    oe: bool = _opt(True, "Online Estimation and the safe gradient (paper Table 2 column OE)")
-    gr: bool = _opt(True, "Gradient Rectification (paper Table 2 column GR)")
-    dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 2 column DML)")
+    oe: bool = _opt(True, "Online Estimation and the safe gradient (paper Table 1, the ablation)")
+    gr: bool = _opt(True, "Gradient Rectification (paper Table 1, the ablation)")
+    dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 1, the ablation)")
     rectify: str = _opt("grad", "grad: rectified gradients go to Adam (paper); update: rectify Adam's step (ours)",
                         choices=["grad", "update"])
     input_range: str = _opt("unit", "unit: images in [0, 1] as the InfLoRA codebase feeds them (paper); "
@@ -488,7 +488,7 @@ def plot(results, out):
     ax.set(xlabel="task", ylabel="average accuracy on seen tasks (%)", title=results["config"]["dataset"],
            xticks=range(1, len(results["runs"][0]["acc_matrix"]) + 1))
     ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(out, "trajectory.png"), dpi=120)
-    fig, ax = plt.subplots(figsize=(6, 3.5))  # paper Fig. 3: per-layer violation, mean over tasks 2..T
+    fig, ax = plt.subplots(figsize=(6, 3.5))  # paper Fig. 2: per-layer violation, mean over tasks 2..T
     viol = results["runs"][0]["violation"]
     for off, name in ((-0.2, "k"), (0.2, "v")):
         rows = viol[name][1:] or viol[name]
