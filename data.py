@@ -79,11 +79,14 @@ class _Images(Dataset):
 
 def _fetch(action, what, root, source, download, hint=''):
     """Run a download; its failure, or downloads being off, becomes one DataError saying what to do."""
+    existed = root.exists()
     try:
         if not download:
             raise FileNotFoundError('downloads are off')
         return action()
     except (URLError, OSError, RuntimeError, EOFError, tarfile.TarError) as err:
+        if not existed and root.is_dir() and not any(root.iterdir()):
+            root.rmdir()  # the failed download made this folder: leave nothing behind
         raise DataError(f'{what} is missing from {root} and could not be downloaded ({" ".join(str(err).split())}): '
                         f'put {source} there and pass --data-dir {root}{hint}.') from None
 

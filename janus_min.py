@@ -2,15 +2,15 @@
 
 Janus-LoRA (ICML 2026) keeps a frozen ViT-B/16 and trains LoRA factors on K and V, one pair per task,
 merged at the task's end. Three pieces, named as in the paper's Sec. 3:
-  * Online Estimation (OE, Eqs. ose_recon_loss, ose_tangent_step, ose_retraction): per block, an
-    orthonormal basis V of the current task's activations, learned on the Stiefel manifold by one
-    projected gradient step and a QR retraction per batch; at the end of a task V joins the protected
-    memory M.
-  * The safe gradient (Theorem 1) G (I - M M^T) and Gradient Rectification (GR, Eqs. delta_a_rect and
-    delta_b_rect): closed-form factor gradients whose composite s (B dA + dB A) best matches it.
-  * The Decoupled Margin Loss (DML, Eq. dml): a prototype cross-entropy over the current classes plus a
+  * Online Estimation (OE, Eqs. (8)-(10)): per block, an orthonormal basis V of the current task's
+    activations, learned on the Stiefel manifold by one projected gradient step and a QR retraction per
+    batch; at the end of a task V joins the protected memory M.
+  * The safe gradient (Theorem 1, Eq. (3)) G (I - M M^T) and Gradient Rectification (GR, Eqs. (5)-(7)):
+    closed-form factor gradients whose composite s (B dA + dB A) best matches it.
+  * The Decoupled Margin Loss (DML, Eq. (11)): a prototype cross-entropy over the current classes plus a
     hinge that pushes features away from the stored prototypes of old classes.
-Our reading of the paper where it is silent is in the README ("Where the paper is silent").
+Equations are numbered as in the paper's LaTeX source. Our reading of the paper where it is silent is in
+the README ("Where the paper is silent").
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning", ICML 2026;
 InfLoRA (Liang & Li, CVPR 2024) for the protocol; LoRA-Pro (Wang et al., ICLR 2025) for the
 tangent-space view of GR.
@@ -39,7 +39,7 @@ def safe_gradient(G, M):
     """G (d_out x d_in), M (d_in x m) orthonormal -> G (I - M M^T); an empty M returns G."""
     if M.shape[1] == 0:
         return G
-    return G - (G @ M) @ M.T  # Janus-LoRA Theorem 1 (Eq. safe_gradient), without forming I - M M^T
+    return G - (G @ M) @ M.T  # Janus-LoRA Theorem 1, Eq. (3), without forming I - M M^T
 
 
 def _ridge(S, delta):
@@ -55,15 +55,15 @@ def _ridge(S, delta):
 def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
     """Gradient Rectification from the two thin products it needs: BtG = B^T G_safe (r x d_in) and
     GAt = G_safe A^T (d_out x r). Never forms a d_out x d_in matrix. Returns (dA, dB)."""
-    dA = torch.linalg.solve(_ridge(B.T @ B, delta), BtG) / scale  # Janus-LoRA Eq. (delta_a_rect)
+    dA = torch.linalg.solve(_ridge(B.T @ B, delta), BtG) / scale  # Janus-LoRA Eq. (6)
     RAt = GAt - scale * B @ (dA @ A.T)  # R A^T with the residual R = G_safe - s B dA
-    dB = torch.linalg.solve(_ridge(A @ A.T, delta), RAt.T).T / scale  # Eq. (delta_b_rect); A A^T symmetric
+    dB = torch.linalg.solve(_ridge(A @ A.T, delta), RAt.T).T / scale  # Eq. (7); A A^T symmetric
     return dA, dB
 
 
 def rectify(G_safe, A, B, scale, delta=1e-4):
     """Closed-form GR for a dense target G_safe (d_out x d_in): (grad_A, grad_B) such that
-    s (B grad_A + grad_B A) is the least-squares match of G_safe (Eq. sgr_objective). With delta -> 0
+    s (B grad_A + grad_B A) is the least-squares match of G_safe (Eq. (5)). With delta -> 0
     this is the projection onto the tangent space of rank-r matrices at BA: P_B G + G P_A - P_B G P_A."""
     return rectify_factors(B.T @ G_safe, G_safe @ A.T, A, B, scale, delta)
 
@@ -144,14 +144,14 @@ class OnlineSubspace:
         X = X.float()
         XV = X @ V  # (n, k); equals X_p V because V is orthogonal to M
         CV = _columns_off(X.T @ XV, M)  # X_p^T X_p V = (I - M M^T) X^T X V   (dim, k)
-        grad = -(CV - V @ (V.T @ CV))  # Euclidean gradient of Eq. (ose_recon_loss) at an orthonormal V
+        grad = -(CV - V @ (V.T @ CV))  # Euclidean gradient of Eq. (8) at an orthonormal V
         # Scale-free: divide by the mean energy per basis direction, so that X -> cX changes nothing.
         energy = XV.pow(2).sum() / V.shape[1]
         # Harmonic decay: large early steps converge within an epoch, the decay removes the noise floor
         # that a constant step leaves (Oja's rule); decay_steps = 20 from a sweep on planted spectra.
         lr = self.lr * self.decay_steps / (self.decay_steps + self.steps)
-        V_tilde = V - lr * grad / energy.clamp_min(torch.finfo(X.dtype).tiny)  # Eq. (ose_tangent_step)
-        Q, R = torch.linalg.qr(V_tilde)  # Eq. (ose_retraction)
+        V_tilde = V - lr * grad / energy.clamp_min(torch.finfo(X.dtype).tiny)  # Eq. (9)
+        Q, R = torch.linalg.qr(V_tilde)  # Eq. (10)
         signs = torch.diagonal(R).sign()
         V = Q * torch.where(signs == 0, 1.0, signs)  # fix R's diagonal positive, so that V does not flip
         self.basis = _columns_off(V, M)  # re-project: round-off must not leak V into span(M)
@@ -175,7 +175,7 @@ class OnlineSubspace:
 # Decoupled Margin Loss and metrics
 # ---------------------------------------------------------------------------------------------------
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07):
-    """Janus-LoRA Eq. (dml). z (B, D) features, y (B,) labels of the current task, old_prototypes (P, D)
+    """Janus-LoRA Eq. (11), the DML. z (B, D) features, y (B,) labels of the current task, old_prototypes (P, D)
     unit rows (P may be 0). Current prototypes: the normalised class means of the batch."""
     z = F.normalize(z.float(), dim=1)
     classes, y_idx = torch.unique(y, return_inverse=True)  # the current classes present in the batch
@@ -224,7 +224,7 @@ class Config:
     oe_decay_steps: int = _opt(20, "OE step halves after this many steps, then decays as 1/t (ours)")
     delta: float = _opt(1e-4, "GR ridge delta, relative to the mean eigenvalue of B^T B or A A^T (ours)")
     margin: float = _opt(0.3, "DML margin m (paper Sec. 4.1)")
-    lambda_dml: float = _opt(1.0, "DML weight lambda (paper Eq. total_loss, Sec. 4.1)")
+    lambda_dml: float = _opt(1.0, "DML weight lambda (paper Eq. (12), Sec. 4.1)")
     tau: float = _opt(0.07, "DML temperature tau (paper Sec. 4.1, after CLIP)")
     oe: bool = _opt(True, "Online Estimation and the safe gradient (paper Table 1, the ablation)")
     gr: bool = _opt(True, "Gradient Rectification (paper Table 1, the ablation)")
@@ -333,7 +333,7 @@ def train_step(model, head, opt, images, y, cfg, subspaces, prototypes):
     logits = head(z)
     loss = F.cross_entropy(logits, y)  # L_task: the current task's head only (InfLoRA protocol)
     if cfg.dml:
-        loss = loss + cfg.lambda_dml * dml_loss(z, y, prototypes, cfg.margin, cfg.tau)  # Eq. (total_loss)
+        loss = loss + cfg.lambda_dml * dml_loss(z, y, prototypes, cfg.margin, cfg.tau)  # Eq. (12)
     if cfg.oe:  # OE before backward, so the activations are released before the backward pass peaks
         for sub, X in zip(subspaces, kv_inputs):
             sub.update(X.detach().flatten(0, 1))  # (B, N, D) -> (B*N, D): every token is a sample
