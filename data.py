@@ -6,7 +6,8 @@ the paper ran: classes in natural order, T equal tasks of contiguous class ids, 
 - imagenet-r: https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar (Hendrycks et al., ICCV 2021), 200 wnid
   folders, split 80/20 here (imagenet-r_split.json); a ready-made imagenet-r/train/ + test/ (LAE's) is used as it is.
 - domainnet: http://ai.bu.edu/M3SDA/ (Peng et al., ICCV 2019): the six domain folders and the official
-  <domain>_train.txt / <domain>_test.txt lists ("relative/path.jpg label"), 345 classes.
+  <domain>_train.txt / <domain>_test.txt lists ("relative/path.jpg label"), 345 classes. The official lists are
+  our choice: InfLoRA reads CODA-Prompt's split (dataloaders/splits/domainnet_*.yaml), which may differ.
 - imagenet100: ILSVRC-2012 (https://image-net.org) as train/<wnid>/, val/<wnid>/. Papers use different class lists;
   ours: the wnids in data_dir/imagenet100_classes.txt (one a line) if present, else train/'s first 100 in sorted order.
 - fashion-mnist: the four idx .gz files (Xiao et al., 2017) in data_dir (Debian's dataset-fashion-mnist puts them
@@ -16,7 +17,7 @@ the paper ran: classes in natural order, T equal tasks of contiguous class ids, 
 import gzip
 import json
 import os
-import random
+import shutil
 import struct
 import tarfile
 from collections import namedtuple
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR100, FashionMNIST
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
@@ -77,16 +78,18 @@ class _Images(Dataset):
         return self.transform(img), self.targets[i]
 
 
-def _fetch(action, what, root, source, download, hint=''):
-    """Run a download; its failure, or downloads being off, becomes one DataError saying what to do."""
-    existed = root.exists()
+def _fetch(action, what, root, source, download, hint='', made=()):
+    """Run a download; its failure, or downloads being off, becomes one DataError saying what to do.
+    made: the folders below root that the download may create, deepest first."""
+    new = [d for d in [root / m for m in made] + [root] if not d.exists()]
     try:
         if not download:
             raise FileNotFoundError('downloads are off')
         return action()
     except (URLError, OSError, RuntimeError, EOFError, tarfile.TarError) as err:
-        if not existed and root.is_dir() and not any(root.iterdir()):
-            root.rmdir()  # the failed download made this folder: leave nothing behind
+        for d in new:  # the failed download made these folders: leave none of them behind empty
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
         raise DataError(f'{what} is missing from {root} and could not be downloaded ({" ".join(str(err).split())}): '
                         f'put {source} there and pass --data-dir {root}{hint}.') from None
 
@@ -115,15 +118,31 @@ def _folder(root, wnids):
 
 def _imagenet_r(root, img_size, seed, download):
     folder, tar = root / 'imagenet-r', root / 'imagenet-r.tar'
-    if not folder.is_dir():  # unpack the tar, downloading it first unless it is there (download_url checks)
-        _fetch(lambda: (download_url(IMAGENET_R_URL, str(root)), extract_archive(str(tar), str(root))),
-               'ImageNet-R (imagenet-r/ or a readable imagenet-r.tar)', root, IMAGENET_R_URL, download or tar.is_file())
+    if not folder.is_dir() and not tar.is_file():
+        _fetch(lambda: download_url(IMAGENET_R_URL, str(root)), 'ImageNet-R (imagenet-r/ or imagenet-r.tar)',
+               root, IMAGENET_R_URL, download)
+    if not folder.is_dir():  # unpacked beside it and renamed when whole: a bad tar leaves no half folder
+        tmp = root / f'.imagenet-r.{os.getpid()}'  # one per process: two runs unpacking never share it
+        try:
+            extract_archive(str(tar), str(tmp))
+            (tmp / 'imagenet-r').rename(folder)
+        except (OSError, EOFError, tarfile.TarError) as err:
+            raise DataError(f'{tar} could not be unpacked ({err}): if it is incomplete or corrupt, delete it and '
+                            f'fetch it again from {IMAGENET_R_URL}.') from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     if (folder / 'train').is_dir() and (folder / 'test').is_dir():
         wnids = _ls(folder / 'train', True)
         return [_folder(folder / part, wnids) for part in ('train', 'test')], wnids
     wnids, split_file = _ls(folder, True), root / 'imagenet-r_split.json'
     if split_file.is_file():
-        split = json.loads(split_file.read_text())
+        try:  # anything but {"train": [str, ...], "test": [str, ...]} is corrupt or another program's file
+            split = json.loads(split_file.read_text(encoding='utf-8'))
+            valid = all(type(split[k]) is list and all(type(p) is str for p in split[k]) for k in ('train', 'test'))
+        except (ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
+            valid = False
+        if not valid:
+            raise DataError(f'{split_file} is not a train/test split of ImageNet-R: delete it to split again.')
     else:
         # Stratified per class, unlike LAE's one shuffle of the whole list: classes hold from about 50 to
         # 400+ images, and a whole-list shuffle leaves each class's test share to chance (a 50-image class
@@ -140,6 +159,10 @@ def _imagenet_r(root, img_size, seed, download):
     label = {w: y for y, w in enumerate(wnids)}
     if {p.split('/')[0] for p in split['train'] + split['test']} != set(wnids):
         raise DataError(f'{split_file} does not match the class folders in {folder}: delete it to split again.')
+    missing = next((p for p in split['train'] + split['test'] if not os.path.isfile(folder / p)), None)
+    if missing:  # found now, not as a FileNotFoundError hours into training
+        raise DataError(f'{folder / missing}, listed in {split_file}, is missing: delete {split_file.name} to '
+                        f'split again.')
     return [([str(folder / p) for p in split[part]], [label[p.split('/')[0]] for p in split[part]])
             for part in ('train', 'test')], wnids
 
@@ -152,7 +175,11 @@ def _domainnet(root, img_size, seed, download):
             if not listing.is_file():
                 raise DataError(f'DomainNet list {listing.name} is missing from {root}: put the six domain folders '
                                 f'and their lists from http://ai.bu.edu/M3SDA/ there and pass --data-dir {root}.')
-            for n, line in enumerate(listing.read_text().splitlines(), 1):
+            try:
+                lines = listing.read_text(encoding='utf-8').splitlines()
+            except UnicodeDecodeError:
+                raise DataError(f'{listing} is not a text list (not UTF-8): fetch it again.') from None
+            for n, line in enumerate(lines, 1):
                 fields = line.rsplit(maxsplit=1)
                 if len(fields) != 2 or not fields[1].isdigit() or fields[0].count('/') < 2:
                     raise DataError(f'line {n} of {listing} is not "domain/class/file.jpg label": fetch it again.')
@@ -160,6 +187,12 @@ def _domainnet(root, img_size, seed, download):
                 labels.append(int(fields[1]))
                 names.setdefault(labels[-1], fields[0].split('/')[1])
         parts.append((paths, labels))
+    # every listed image, now rather than as a FileNotFoundError hours into training: a stat each, 3 us
+    # with a warm cache (10k files measured), so about 2 s for DomainNet's 590k, once a run
+    missing = next((p for paths, _ in parts for p in paths if not os.path.isfile(p)), None)
+    if missing:
+        raise DataError(f'DomainNet image {missing} is listed but missing: unpack all six domain folders from '
+                        f'http://ai.bu.edu/M3SDA/ into {root}.')
     return parts, [names.get(y, '?') for y in range(max(names, default=-1) + 1)]
 
 
@@ -195,7 +228,8 @@ def _fashion_mnist(root, img_size, seed, download):
         first = next(f for f in FASHION_FILES if not (root / f).is_file())
         _fetch(lambda: FashionMNIST(str(root), download=True), f'Fashion-MNIST file {first}', root,
                f'the four idx .gz files from {FashionMNIST.mirrors[0]}', download,
-               " (or install Debian's dataset-fashion-mnist and pass --data-dir /usr/share/datasets/fashion-mnist)")
+               " (or install Debian's dataset-fashion-mnist and pass --data-dir /usr/share/datasets/fashion-mnist)",
+               made=('FashionMNIST/raw', 'FashionMNIST'))  # what torchvision's download creates
         folder = raw
     parts = []
     for images, labels in (FASHION_FILES[:2], FASHION_FILES[2:]):
@@ -252,7 +286,7 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
     if found != expected or len(names) != expected:
         raise DataError(f'{name} in {root} has {found} classes, not {expected}: the copy is incomplete or another.')
     if limit_per_class is not None:
-        # the first n of each class after a shuffle seeded by the run's seed, kept in the data set's
+        # the first n of each class after a shuffle seeded by `seed`, kept in the data set's
         # order; the test set stays whole, so accuracies stay comparable with full runs
         kept, count = [], [0] * len(names)
         for i in torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed)).tolist():
@@ -284,15 +318,42 @@ def subset(ds, classes):
     return part
 
 
-def _seed_worker(worker_id):
-    # torch seeds worker k with base_seed + k (base_seed from the loader's generator): pass it on to the others
-    random.seed(torch.initial_seed() % 2**32)
-    np.random.seed(torch.initial_seed() % 2**32)
+class _SeededSampler(Sampler):
+    """Each epoch, from one generator in the main process: the order (a permutation when shuffling) and a seed
+    per sample, which `_Seeded` uses for that sample's augmentation. Batches and augmentations then depend
+    on the seed alone, not on the number of workers, so a run resumed with other --workers stays the same."""
+
+    def __init__(self, n, shuffle, seed):
+        self.n, self.shuffle, self.gen = n, shuffle, torch.Generator().manual_seed(seed)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.gen) if self.shuffle else torch.arange(self.n)
+        seeds = torch.randint(0, 2**62, (self.n,), generator=self.gen)
+        return iter(zip(order.tolist(), seeds.tolist()))
+
+
+class _Seeded(Dataset):
+    """ds[i] under torch's generator seeded with s, for (i, s) from `_SeededSampler`; fork_rng restores the
+    generator afterwards, so loading in the main process (workers = 0) leaves the run's random numbers alone."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, item):
+        i, s = item
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(s)
+            return self.ds[i]
 
 
 def make_loader(ds, batch_size, train, workers, seed):
-    """DataLoader with its own seeded generator for batch order and worker seeds, so the same seed gives the same
-    batches, augmentations included when workers > 0 (with 0, they draw from torch's global generator)."""
-    return DataLoader(ds, batch_size=batch_size, shuffle=train, num_workers=workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
-                      worker_init_fn=_seed_worker, generator=torch.Generator().manual_seed(seed))
+    """DataLoader over ds (shuffled when train) whose batches and augmentations are fixed by the seed."""
+    return DataLoader(_Seeded(ds), batch_size=batch_size, sampler=_SeededSampler(len(ds), train, seed),
+                      num_workers=workers, pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+                      generator=torch.Generator().manual_seed(seed))  # its base seed: not from the run's generator
