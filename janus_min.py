@@ -18,6 +18,7 @@ tangent-space view of GR.
 import argparse
 import copy
 import json
+import math
 import os
 import random
 import re
@@ -255,17 +256,20 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None):
     p = _Parser(description="Janus-LoRA (ICML 2026): class-incremental learning with a frozen "
-                                "ViT and LoRA, made stable by OE + GR and plastic by DML.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                "ViT and LoRA, made stable by OE + GR and plastic by DML.")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         if f.type is bool and f.default is False:
             p.add_argument(flag, **meta)
         elif f.type is bool:
-            p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", help="turn off: " + meta["help"])
+            p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                           help="turn off " + meta["help"] + " (on by default)")
         else:
             meta.setdefault("type", {"int": int, "float": float}.get(getattr(f.type, "__name__", f.type), str))
+            if f.default is not None and "default" not in meta["help"]:  # None: the help says what applies
+                shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+                meta["help"] += f" (default: {shown})"
             p.add_argument(flag, default=f.default, **meta)
     return Config(**vars(p.parse_args(argv)))
 
@@ -277,16 +281,24 @@ def check_config(cfg):
         if getattr(cfg, key) is None:
             setattr(cfg, key, info[key])
     width = {"vit_base": 768, "vit_small": 384, "vit_tiny": 192}[cfg.model]
-    checks = [(cfg.tasks >= 1 and info["num_classes"] % cfg.tasks == 0,
+    cfg.seeds = list(cfg.seeds)  # the default is a tuple, a typed --seeds a list: one form, for --resume's check
+    floats = [f.name for f in fields(Config) if f.type is float]
+    checks = [(all(math.isfinite(getattr(cfg, n)) for n in floats),
+               "--" + ", --".join(n.replace("_", "-") for n in floats) + " must be finite numbers"),
+              (all(0 <= s < 2**63 for s in cfg.seeds), "--seeds must lie in 0 .. 2^63 - 1"),
+              (cfg.img_size >= 1 and cfg.patch_size >= 1, "--img-size and --patch-size must be at least 1"),
+              (cfg.out is None or not os.path.exists(cfg.out) or os.path.isdir(cfg.out),
+               f"--out {cfg.out} is a file, not a folder; choose another --out"),
+              (cfg.tasks >= 1 and info["num_classes"] % cfg.tasks == 0,
                f"--tasks {cfg.tasks} does not divide the {info['num_classes']} classes of {cfg.dataset}"),
               (cfg.epochs >= 1, "--epochs must be at least 1"), (cfg.batch_size >= 1, "--batch-size must be at least 1"),
               (cfg.rank >= 1, "--rank must be at least 1"),
               (1 <= cfg.k <= width, f"--k must lie in 1..{width} (the block width of {cfg.model})"),
-              (cfg.lr >= 0 and cfg.margin >= 0, "--lr and --margin must not be negative"),
+              (cfg.lr >= 0 and cfg.margin >= 0 and cfg.lambda_dml >= 0, "--lr, --margin and --lambda-dml must not be negative"),
               (cfg.tau > 0, "--tau must be positive"), (cfg.lora_scale > 0, "--lora-scale must be positive"),
               (cfg.weights == "none" or cfg.patch_size == 16,
                "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)"),
-              (cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size"),
+              (cfg.patch_size < 1 or cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size"),
               (cfg.limit_per_class is None or cfg.limit_per_class >= 1, "--limit-per-class must be at least 1"),
               (cfg.workers >= 0, "--workers must not be negative"),
               (cfg.delta > 0 and cfg.oe_lr > 0 and cfg.oe_decay_steps >= 1 and cfg.steps >= 1,
@@ -295,9 +307,10 @@ def check_config(cfg):
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if cfg.oe and cfg.k * (cfg.tasks - 1) > width:  # allowed, but the reader should know what follows
-        print(f"note: k x (T - 1) = {cfg.k * (cfg.tasks - 1)} exceeds the block width {width}: the protected memory "
-              f"fills at task {-(-width // cfg.k) + 1} and K/V stop learning from then on (README, 'Where the paper is silent')")
+    if cfg.oe and cfg.k * (cfg.tasks - 1) >= width:  # allowed, but the reader should know what follows
+        print(f"note: k x (T - 1) = {cfg.k * (cfg.tasks - 1)} reaches the block width {width}: the protected memory "
+              f"is full after task {-(-width // cfg.k)} and K/V learn nothing from task {-(-width // cfg.k) + 1} on "
+              "(README, 'Where the paper is silent')")
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     index = int(cfg.device.partition(":")[2] or 0)
@@ -316,7 +329,7 @@ def build_model(cfg):
     model = make[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size, lora_rank=cfg.rank,
                             lora_scale=cfg.lora_scale)
     vit.load_pretrained(model, cfg.weights)
-    return model
+    return model.eval()  # for good: the ViT has no dropout, and training never switches modes
 
 
 def train_step(model, head, opt, images, y, cfg, subspaces, prototypes):
@@ -422,6 +435,9 @@ def run(cfg, seed, base_model, splits, resume=None, log=print):
                 loss, right = train_step(model, head, opt, images, y, cfg, subspaces, prototypes)
                 loss_sum, correct, seen = loss_sum + loss * len(y), correct + right, seen + len(y)
             sched.step()
+            if not torch.isfinite(loss_sum):  # stop now: a diverged run would go on to write meaningless results
+                raise FloatingPointError(f"task {t + 1} epoch {epoch + 1}: the loss is {float(loss_sum)}; lower --lr "
+                                         "and start again (checkpoint.pt, if there is one, holds the tasks finished before)")
             done_epochs += 1
             eta = (time.time() - t_start) / done_epochs * ((cfg.tasks - first) * cfg.epochs - done_epochs)
             log(f"task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss {float(loss_sum) / seen:.4f}  "
@@ -520,9 +536,12 @@ def benchmark(cfg):
         vcfg = Config(**{**asdict(cfg), **change})
         model = copy.deepcopy(base).to(device)
         subspaces = [OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device) for _ in model.blocks]
-        if vcfg.oe:
+        if vcfg.oe:  # one random memory per block, shared by its K and V as in training; V starts off it
+            for sub in subspaces:
+                sub.memory = torch.linalg.qr(torch.randn(D, m, device=device)).Q
+                sub.basis = sub._fresh_basis()
             for i, _, layer in model.lora_layers():
-                layer.memory = torch.linalg.qr(torch.randn(D, m, device=device)).Q
+                layer.memory = subspaces[i].memory
                 layer.reset_lora_()
         prototypes = F.normalize(torch.randn(C * (cfg.tasks // 2), D, device=device), dim=1)
         head = torch.nn.Linear(D, C).to(device)
@@ -619,11 +638,17 @@ def main(argv=None):
                 # Atomic write: Ctrl-C during a task or during this save leaves the last checkpoint intact.
                 torch.save({"config": asdict(cfg), "runs": results["runs"], "current": state}, out + "/checkpoint.pt.tmp")
                 os.replace(out + "/checkpoint.pt.tmp", os.path.join(out, "checkpoint.pt"))
-            results["summary"] = summarize(results["runs"])
+            results["summary"] = summarize(results["runs"])  # after every seed: an interruption keeps the others
             write_json(os.path.join(out, "results.json"), results)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {out}/checkpoint.pt holds the last finished task; continue with --resume {out}")
         return 130
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "summary" not in results:  # --resume of a run whose seeds had all finished: nothing ran above
+        results["summary"] = summarize(results["runs"])
+        write_json(os.path.join(out, "results.json"), results)
     last = results["runs"][-1]
     print("accuracy matrix (row t: after task t; %):")
     for row in last["acc_matrix"]:

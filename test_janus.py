@@ -384,6 +384,30 @@ def test_subset_and_loader():
     assert x.shape == (8, 3, 16, 16) and y.dtype == torch.int64
 
 
+class _Noisy(torch.utils.data.Dataset):
+    """Stands in for a random augmentation: each item draws from torch's global generator."""
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.rand(3), i
+
+
+def test_loader_draws_depend_on_the_seed_only():
+    epochs = {}
+    for workers in (0, 2):
+        loader = data.make_loader(_Noisy(), 4, True, workers, seed=5)
+        epochs[workers] = [[torch.cat([x, y[:, None].float()], 1) for x, y in loader] for _ in range(2)]
+    for a, b in zip(sum(epochs[0], []), sum(epochs[2], [])):  # same order and draws, whatever the workers
+        assert torch.equal(a, b)
+    first, second = (torch.cat(e) for e in epochs[0])
+    assert not torch.equal(first, second)  # each epoch: a new order and new draws
+    assert sorted(first[:, 3].tolist()) == list(range(12))
+    state = torch.get_rng_state()
+    list(data.make_loader(_Noisy(), 4, True, 0, seed=5))  # loading in the main process ...
+    assert torch.equal(state, torch.get_rng_state())  # ... leaves the run's generator where it was
+
+
 def _write_idx(path, array):
     header = struct.pack(f'>I{array.ndim}I', 0x800 + array.ndim, *array.shape)  # uint8 data, ndim dims
     with gzip.open(path, 'wb') as f:
@@ -487,12 +511,19 @@ def test_imagenet_r_missing(tmp_path):
         data.load_dataset('imagenet-r', tmp_path, 32, *MEAN_STD)
 
 
-def test_domainnet_lists(tmp_path):
+def _fake_domainnet(root):
+    """The twelve lists, and an empty file for every listed image (load_dataset checks they are there)."""
     for domain in data.DOMAINS:
         for part, n in (('train', 2), ('test', 1)):
             lines = [f'{domain}/class_{c:03d}/{domain}_{c}_{i}.jpg {c}' for c in range(345) for i in range(n)]
-            (tmp_path / f'{domain}_{part}.txt').write_text('\n'.join(lines) + '\n')
-    Path(tmp_path / 'real' / 'class_007').mkdir(parents=True)
+            (root / f'{domain}_{part}.txt').write_text('\n'.join(lines) + '\n')
+            for line in lines:
+                (root / line.split()[0]).parent.mkdir(parents=True, exist_ok=True)
+                (root / line.split()[0]).touch()
+
+
+def test_domainnet_lists(tmp_path):
+    _fake_domainnet(tmp_path)
     Image.new('RGB', (10, 12)).save(tmp_path / 'real' / 'class_007' / 'real_7_0.jpg')
     s = data.load_dataset('domainnet', tmp_path, 32, *MEAN_STD, download=False)
     assert (len(s.train), len(s.test), s.num_classes) == (6 * 345 * 2, 6 * 345, 345)
@@ -507,6 +538,69 @@ def test_domainnet_lists(tmp_path):
     (tmp_path / 'sketch_test.txt').unlink()
     with pytest.raises(data.DataError, match='sketch_test.txt'):
         data.load_dataset('domainnet', tmp_path, 32, *MEAN_STD)
+
+
+def test_domainnet_missing_image_and_foreign_list(tmp_path):
+    _fake_domainnet(tmp_path)
+    (tmp_path / 'painting' / 'class_100' / 'painting_100_0.jpg').unlink()  # listed in painting_test.txt
+    with pytest.raises(data.DataError) as err:
+        data.load_dataset('domainnet', tmp_path, 32, *MEAN_STD, download=False)
+    assert str(tmp_path / 'painting/class_100/painting_100_0.jpg') in str(err.value)
+    assert 'missing' in str(err.value) and 'http://ai.bu.edu/M3SDA/' in str(err.value)
+    (tmp_path / 'clipart_train.txt').write_bytes(b'\xff\xfe c\x00l\x00i\x00p\x00')  # UTF-16, say
+    with pytest.raises(data.DataError, match='clipart_train.txt is not a text list .*fetch it again'):
+        data.load_dataset('domainnet', tmp_path, 32, *MEAN_STD, download=False)
+
+
+@pytest.mark.parametrize('text', ['{"train": [', '[]', '"train"', '{"train": []}', '{"train": [1], "test": []}',
+                                  '{"train": "n00000000/0.png", "test": []}', b'\xff{}'])
+def test_imagenet_r_foreign_split_file(tmp_path, text):
+    _fake_imagenet_r(tmp_path, classes=200)
+    split_file = tmp_path / 'imagenet-r_split.json'
+    split_file.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(data.DataError, match='imagenet-r_split.json is not a train/test split.*delete it to split'):
+        data.load_dataset('imagenet-r', tmp_path, 32, *MEAN_STD, download=False)
+
+
+def test_imagenet_r_split_naming_missing_files(tmp_path):
+    _fake_imagenet_r(tmp_path)
+    data.load_dataset('imagenet-r', tmp_path, 32, *MEAN_STD, download=False)  # writes the split
+    split_file = tmp_path / 'imagenet-r_split.json'
+    split = json.loads(split_file.read_text())
+    (tmp_path / 'imagenet-r' / split['test'][0]).unlink()
+    with pytest.raises(data.DataError) as err:
+        data.load_dataset('imagenet-r', tmp_path, 32, *MEAN_STD, download=False)
+    assert str(tmp_path / 'imagenet-r' / split['test'][0]) in str(err.value)
+    assert 'delete imagenet-r_split.json to split again' in str(err.value)
+    split_file.unlink()  # as the message says: split again, from the files that are there
+    assert len(data.load_dataset('imagenet-r', tmp_path, 32, *MEAN_STD, download=False).train) == 799
+
+
+def test_imagenet_r_truncated_tar_leaves_no_half_folder(tmp_path):
+    _fake_imagenet_r(tmp_path / 'src')
+    with tarfile.open(tmp_path / 'full.tar', 'w') as tar:
+        tar.add(tmp_path / 'src' / 'imagenet-r', arcname='imagenet-r')
+        cut = tar.getmembers()[600].offset_data + 3  # inside a file's data: tarfile cannot take it for the end
+    (tmp_path / 'data').mkdir()
+    (tmp_path / 'data' / 'imagenet-r.tar').write_bytes((tmp_path / 'full.tar').read_bytes()[:cut])
+    for _ in range(2):  # the second run sees the same tar, not a half-unpacked folder
+        with pytest.raises(data.DataError) as err:
+            data.load_dataset('imagenet-r', tmp_path / 'data', 32, *MEAN_STD, download=False)
+        assert str(tmp_path / 'data' / 'imagenet-r.tar') in str(err.value) and 'downloaded' not in str(err.value)
+        assert 'delete it and fetch it again' in str(err.value) and data.IMAGENET_R_URL in str(err.value)
+        assert [p.name for p in (tmp_path / 'data').iterdir()] == ['imagenet-r.tar']
+    shutil.copy(tmp_path / 'full.tar', tmp_path / 'data' / 'imagenet-r.tar')  # fetched again
+    assert len(data.load_dataset('imagenet-r', tmp_path / 'data', 32, *MEAN_STD, download=False).test) == 200
+    assert sorted(p.name for p in (tmp_path / 'data').iterdir()) == ['imagenet-r', 'imagenet-r.tar',
+                                                                    'imagenet-r_split.json']
+
+
+def test_fashion_mnist_failed_download_leaves_no_empty_folders(tmp_path):
+    # no_network makes torchvision's download fail after it made FashionMNIST/raw/
+    for root in (tmp_path, tmp_path / 'new'):  # a folder that was there stays; one the download made goes
+        with pytest.raises(data.DataError, match='could not be downloaded'):
+            data.load_dataset('fashion-mnist', root, 32, *MEAN_STD, download=True)
+        assert not (tmp_path / 'FashionMNIST').exists() and tmp_path.is_dir() and not any(tmp_path.iterdir())
 
 
 def test_missing_folder_names_path_and_flag(tmp_path):
@@ -554,7 +648,7 @@ def test_imagenet_r_from_tar_and_ready_split(tmp_path):
     assert (len(s.train), len(s.test)) == (800, 200) and (tmp_path / 'imagenet-r' / 'n00000199').is_dir()
     (tmp_path / 'bad').mkdir()
     (tmp_path / 'bad' / 'imagenet-r.tar').write_bytes(b'not a tar')
-    with pytest.raises(data.DataError, match='readable imagenet-r.tar'):
+    with pytest.raises(data.DataError, match='imagenet-r.tar could not be unpacked'):
         data.load_dataset('imagenet-r', tmp_path / 'bad', 32, *MEAN_STD, download=False)
     ready = tmp_path / 'ready' / 'imagenet-r'  # LAE's layout, as InfLoRA reads it: used as it is
     ready.mkdir(parents=True)
@@ -1012,6 +1106,9 @@ def _bad_inputs(tmp):
         (TINY + ["--resume", str(tmp / "noresume")], "no checkpoint.pt"),
         (TINY + ["--device", "cuda:7"] if torch.cuda.is_available() else TINY + ["--device", "cuda"], "cuda"),
         (TINY + ["--device", "tpu"], "--device"), (TINY + ["--delta", "0"], "--delta"),
+        (TINY + ["--lambda-dml", "nan"], "finite"), (TINY + ["--lora-scale", "inf"], "finite"),
+        (TINY + ["--lambda-dml", "-1"], "--lambda-dml"), (TINY + ["--patch-size", "0"], "--patch-size"),
+        (TINY + ["--img-size", "-16"], "--img-size"), (TINY + ["--seeds", "99999999999999999999"], "--seeds"),
     ]
 
 
@@ -1036,3 +1133,17 @@ def test_bad_input_gets_one_clear_line_and_leaves_dir_alone(tmp_path, capsys):
     assert jm.main(TINY + ["--out", str(tmp_path / "r")]) == 2 and "already holds a run" in capsys.readouterr().err
     assert jm.main(TINY + ["--resume", str(tmp_path / "r"), "--rank", "4"]) == 2
     assert "different configuration" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert jm.main(TINY + ["--out", str(tmp_path / "afile")]) == 2 and "is a file" in capsys.readouterr().err
+    # A diverging run stops at the epoch's end with one line, not with a results.json of nonsense.
+    assert jm.main(TINY + ["--lr", "1e30", "--out", str(tmp_path / "nan")]) == 2
+    assert "the loss is nan" in capsys.readouterr().err and not (tmp_path / "nan" / "results.json").exists()
+
+
+def test_resume_of_a_finished_run_and_of_the_default_seeds(tmp_path, capsys):
+    assert jm.main(TINY + ["--out", str(tmp_path / "r")]) == 0  # --seeds left at its default, 0
+    before = _results(tmp_path / "r")
+    assert jm.main(TINY + ["--seeds", "0", "--resume", str(tmp_path / "r")]) == 0  # the same seed, typed; all done
+    after = _results(tmp_path / "r")
+    assert after["runs"] == before["runs"] and after["summary"] == before["summary"]
+    assert "ACC" in capsys.readouterr().out

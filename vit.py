@@ -72,7 +72,9 @@ class LoRALinear(nn.Linear):
     @torch.no_grad()
     def reset_lora_(self):
         """A fresh pair in place: A Kaiming-uniform with its rows moved off span(M) (README, "LoRA lifecycle"), B = 0."""
-        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))  # nn.Linear's own init for (r, d_in) weights
+        # nn.Linear's own init for (r, d_in) weights, drawn on the CPU: a run's random numbers (and a resumed
+        # run, which restores the CPU generator only) must not depend on the device
+        self.A.copy_(nn.init.kaiming_uniform_(torch.empty(self.A.shape), a=math.sqrt(5)))
         m = self.memory.to(self.A.dtype)
         self.A -= (self.A @ m) @ m.T
         if m.shape[1] == m.shape[0]:  # a full memory leaves nothing safe to learn: an exact 0, not round-off
