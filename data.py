@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR100, FashionMNIST
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
-from torchvision.datasets.utils import download_url, extract_archive
+from torchvision.datasets.utils import check_integrity, download_url, extract_archive
 
 
 class DataError(Exception):
@@ -98,6 +98,10 @@ def _cifar100(root, img_size, seed, download):
     try:
         parts = [CIFAR100(str(root), train=t) for t in (True, False)]
     except RuntimeError:  # absent: download it, or unpack an archive the user put there by hand
+        archive = root / CIFAR100.filename
+        if archive.is_file() and not check_integrity(str(archive), CIFAR100.tgz_md5):  # else torchvision
+            raise DataError(f'{archive} is incomplete or corrupt (its MD5 is not {CIFAR100.tgz_md5}): delete '
+                            f'it and fetch it again from {CIFAR100.url}.')  # would try to download it again
         parts = _fetch(lambda: [CIFAR100(str(root), train=t, download=True) for t in (True, False)],
                        f'CIFAR-100 ({CIFAR100.base_folder}/ or {CIFAR100.filename})', root, CIFAR100.url,
                        download or (root / CIFAR100.filename).is_file())

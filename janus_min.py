@@ -232,8 +232,10 @@ class Config:
     dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 1, the ablation)")
     rectify: str = _opt("grad", "grad: rectified gradients go to Adam (paper); update: rectify Adam's step (ours)",
                         choices=["grad", "update"])
-    input_range: str = _opt("unit", "unit: images in [0, 1] as the InfLoRA codebase feeds them (paper); "
-                            "checkpoint: the normalisation the checkpoint was trained with", choices=["unit", "checkpoint"])
+    input_range: str = _opt("unit", "unit: images in [0, 1] as the InfLoRA codebase feeds them (paper); checkpoint: "
+                            "the normalisation a named --weights was trained with; half: [-1, 1] (Google's npz files); "
+                            "imagenet: ImageNet mean and std (DINO, torchvision)",
+                            choices=["unit", "checkpoint", "half", "imagenet"])
     seeds: list = _opt((0,), "seeds; several give mean +- std (paper: 5 seeds)", nargs="+", type=int)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     workers: int = _opt(min(8, os.cpu_count() or 1), "data loader workers (default: the cores, at most 8)")
@@ -325,6 +327,9 @@ def check_config(cfg):
 # ---------------------------------------------------------------------------------------------------
 def build_model(cfg):
     make = {"vit_base": vit.vit_base_patch16, "vit_small": vit.vit_small_patch16, "vit_tiny": vit.vit_tiny_patch16}
+              (cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
+               "--input-range checkpoint needs a named --weights; a file does not say how it was normalised: "
+               "pass --input-range half (Google npz files) or imagenet (DINO, torchvision)"),
     torch.manual_seed(0)  # with --weights none the random backbone plays the checkpoint: the same for every seed
     model = make[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size, lora_rank=cfg.rank,
                             lora_scale=cfg.lora_scale)
@@ -615,7 +620,8 @@ def main(argv=None):
         out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
         if ckpt is None and any(os.path.exists(os.path.join(out, f)) for f in ("checkpoint.pt", "results.json")):
             raise ConfigError(f"{out} already holds a run; continue it with --resume {out} or choose another --out")
-        mean_std = vit.PRETRAINED_MEAN_STD.get(cfg.weights, (0.5, 0.5)) if cfg.input_range == "checkpoint" else (0.0, 1.0)
+        scale = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else cfg.input_range
+        mean_std = vit.MEAN_STD.get(scale, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
         splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, *mean_std, seed=0,
                                    limit_per_class=cfg.limit_per_class)
         base_model = build_model(cfg)  # loaded once, copied per seed; a bad checkpoint fails before DIR is touched

@@ -86,11 +86,14 @@ def write_npz(sd, path, heads):
     np.savez(path, **{k: v.numpy() for k, v in a.items()})
 
 
+_ST_NAMES = {torch.float32: 'F32', torch.int64: 'I64'}
+
+
 def write_safetensors(sd, path):
     header, blobs, offset = {'__metadata__': {'format': 'pt'}}, [], 0
     for k, v in sd.items():
         b = v.contiguous().numpy().tobytes()
-        header[k] = {'dtype': 'F32', 'shape': list(v.shape), 'data_offsets': [offset, offset + len(b)]}
+        header[k] = {'dtype': _ST_NAMES[v.dtype], 'shape': list(v.shape), 'data_offsets': [offset, offset + len(b)]}
         blobs.append(b)
         offset += len(b)
     h = json.dumps(header).encode()
@@ -632,6 +635,15 @@ def test_cifar100_missing(tmp_path):
     assert 'cifar-100-python.tar.gz' in msg and str(tmp_path) in msg and '--data-dir' in msg
 
 
+def test_cifar100_corrupt_archive_is_named_not_downloaded_again(tmp_path):
+    (tmp_path / 'cifar-100-python.tar.gz').write_bytes(b'half a download')
+    with pytest.raises(data.DataError) as err:
+        data.load_dataset('cifar100', tmp_path, 32, *MEAN_STD, download=True)
+    msg = str(err.value)
+    assert str(tmp_path / 'cifar-100-python.tar.gz') in msg and 'corrupt' in msg and 'delete it' in msg
+    assert 'could not be downloaded' not in msg and torchvision.datasets.CIFAR100.url in msg
+
+
 def test_cifar100_download_fails_cleanly_offline(tmp_path):
     # no_network (below the imports) makes the download fail as it does on a machine without a network
     with pytest.raises(data.DataError, match='could not be downloaded') as err:
@@ -1147,3 +1159,26 @@ def test_resume_of_a_finished_run_and_of_the_default_seeds(tmp_path, capsys):
     after = _results(tmp_path / "r")
     assert after["runs"] == before["runs"] and after["summary"] == before["summary"]
     assert "ACC" in capsys.readouterr().out
+        (ckpt + ["--weights", str(tmp / "small.pth"), "--input-range", "checkpoint"], "--input-range half"),
+@pytest.mark.parametrize("flags, mean_std", [([], (0.0, 1.0)), (["--input-range", "checkpoint"], vit.MEAN_STD["half"]),
+                                             (["--input-range", "checkpoint", "--weights", "dino"], vit.MEAN_STD["imagenet"]),
+                                             (["--input-range", "imagenet"], vit.MEAN_STD["imagenet"])])
+def test_input_range_reaches_the_data(monkeypatch, flags, mean_std):
+    seen = []
+
+    def load_dataset(name, data_dir, img_size, mean, std, **kw):
+        seen.append((mean, std))
+        raise data.DataError("stop here")
+    monkeypatch.setattr(data, "load_dataset", load_dataset)
+    argv = ["--dataset", "cifar100", "--model", "vit_base"] + flags
+    assert jm.main(argv) == 2 and seen == [mean_std]
+
+
+def test_safetensors_with_an_integer_tensor_names_it(small, tmp_path):
+    sd = tv_to_timm(small['sd'])
+    sd['pos_ids'] = torch.arange(197)
+    write_safetensors(sd, tmp_path / 'w.safetensors')
+    with pytest.raises(vit.CheckpointError, match=r'unexpected keys \(1\): pos_ids'):
+        vit.load_pretrained(vit.vit_tiny_patch16(depth=2), tmp_path / 'w.safetensors', verbose=False)
+
+

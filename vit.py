@@ -32,9 +32,9 @@ URLS = {'in21k': {768: _AUGREG + 'B_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do
         'sam': 'https://storage.googleapis.com/vit_models/sam/ViT-B_16.npz',
         'dino': 'https://dl.fbaipublicfiles.com/dino/dino_vitbase16_pretrain/dino_vitbase16_pretrain.pth',
         'torchvision': ViT_B_16_Weights.IMAGENET1K_V1.url}
-_IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-_HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # Google's checkpoints were trained on inputs scaled to [-1, 1]
-PRETRAINED_MEAN_STD = {'in21k': _HALF, 'sam': _HALF, 'dino': _IMAGENET, 'torchvision': _IMAGENET}
+# Input (mean, std) of the checkpoints' training: Google's scaled images to [-1, 1], DINO and torchvision used ImageNet's.
+MEAN_STD = {'half': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)), 'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
+PRETRAINED_INPUT = {'in21k': 'half', 'sam': 'half', 'dino': 'imagenet', 'torchvision': 'imagenet'}
 
 
 class CheckpointError(Exception):
@@ -191,7 +191,9 @@ _TRANSFORMS = {
 # Dropped checkpoint keys: the classifier. Not fc_norm: a checkpoint with one was trained on mean-pooled tokens
 # and has no final `norm` for our class-token feature, so it must fail loudly.
 _IGNORED = {'npz': ('head/', 'pre_logits/'), 'timm': ('head.', 'pre_logits.'), 'torchvision': ('heads.',)}
-_ST_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16}
+_ST_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
+              'I64': torch.int64, 'I32': torch.int32, 'I16': torch.int16, 'I8': torch.int8, 'U8': torch.uint8,
+              'BOOL': torch.bool}  # read all, so that a stray integer tensor is named as an unexpected key
 
 
 def _their_key(layout, key):
