@@ -9,6 +9,8 @@ merged at the task's end. Three pieces, named as in the paper's Sec. 3:
     closed-form factor gradients whose composite s (B dA + dB A) best matches it.
   * The Decoupled Margin Loss (DML, Eq. (11)): a prototype cross-entropy over the current classes plus a
     hinge that pushes features away from the stored prototypes of old classes.
+GR acts where the paper puts it, on the gradients that Adam takes (`--rectify grad`), or, our variant, on
+the step Adam proposes, split between A and B with the least norm (`--rectify update`).
 Equations are numbered as in the paper's LaTeX source. Our reading of the paper where it is silent is in
 the README ("Where the paper is silent").
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning", ICML 2026;
@@ -80,12 +82,29 @@ def rectify_gradients_(layers, delta):
         B.grad.copy_(dB)
 
 
+def least_norm_split(dA, dB, A, B):
+    """Of all factor steps with the composite B dA + dB A of (dA, dB), the one of least ||dA||^2 + ||dB||^2 (ours).
+
+    They differ by (C A, -B C) for an r x r matrix C. The best C solves the Sylvester equation
+    (B^T B) C + C (A A^T) = B^T dB - dA A^T, which is diagonal in the eigenbases of the two Gram matrices.
+    Why: GR's hierarchical split (Eqs. (6)-(7)) gives dA all of G_safe's part in col(B). While B is small, as
+    at every task's start, a B-sized step then doubles A, and A ends up orders of magnitude larger than B."""
+    lam, U = torch.linalg.eigh(B.T @ B)  # (r,), (r, r)
+    sig, W = torch.linalg.eigh(A @ A.T)
+    den = lam[:, None] + sig[None, :]  # (r, r), >= 0: the Sylvester operator in those eigenbases
+    rhs = U.T @ (B.T @ dB - dA @ A.T) @ W
+    ok = den > den.max() * den.shape[0] * torch.finfo(den.dtype).eps  # zero where it is singular (B = A = 0)
+    C = U @ torch.where(ok, rhs / torch.where(ok, den, 1), 0) @ W.T
+    return dA + C @ A, dB - B @ C
+
+
 @torch.no_grad()
 def rectify_updates_(layers, before, delta):
     """`--rectify update` (ours; README, "--rectify grad and update"): Adam's per-coordinate scaling does not keep
     a rectified gradient in the safe set, so rectify the step Adam proposed instead. The first-order
     composite step dW = s (B dA + dB A) is projected by Theorem 1 and rectified; only r-wide products
-    are formed. `before` holds each layer's (A, B) from before `optimizer.step()`."""
+    are formed. The rectified step is split between A and B with the least norm, which keeps the two
+    factors of comparable size. `before` holds each layer's (A, B) from before `optimizer.step()`."""
     for layer, (A0, B0) in zip(layers, before):
         M, s = layer.memory, layer.scale
         dA, dB = layer.A - A0, layer.B - B0  # Adam's proposed step
@@ -93,7 +112,7 @@ def rectify_updates_(layers, before, delta):
         BtW = safe_gradient(s * ((B0.T @ B0) @ dA + (B0.T @ dB) @ A0), M)
         Ap = safe_gradient(A0, M).T  # (I - M M^T) A^T  (d_in x r)
         WAt = s * (B0 @ (dA @ Ap) + dB @ (A0 @ Ap))
-        rA, rB = rectify_factors(BtW, WAt, A0, B0, s, delta)
+        rA, rB = least_norm_split(*rectify_factors(BtW, WAt, A0, B0, s, delta), A0, B0)
         layer.A.copy_(A0 + rA)
         layer.B.copy_(B0 + rB)
 
@@ -230,7 +249,8 @@ class Config:
     oe: bool = _opt(True, "Online Estimation and the safe gradient (paper Table 1, the ablation)")
     gr: bool = _opt(True, "Gradient Rectification (paper Table 1, the ablation)")
     dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 1, the ablation)")
-    rectify: str = _opt("grad", "grad: rectified gradients go to Adam (paper); update: rectify Adam's step (ours)",
+    rectify: str = _opt("grad", "grad: rectified gradients go to Adam (paper); update: rectify the step Adam "
+                        "proposes and split it between A and B with the least norm (ours)",
                         choices=["grad", "update"])
     input_range: str = _opt("unit", "unit: images in [0, 1] as the InfLoRA codebase feeds them (paper); checkpoint: "
                             "the normalisation a named --weights was trained with; half: [-1, 1] (Google's npz files); "
