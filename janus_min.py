@@ -50,7 +50,7 @@ def _ridge(S, delta):
 
     Relative, not absolute: B^T B and A A^T scale with the factors' magnitude, which grows from 0 over a
     task, and a relative ridge keeps GR covariant under B -> cB (dA -> dA / c). The floor `tiny` keeps
-    the solve finite for B = 0 (every task's first step), where the right-hand side is exactly 0."""
+    the solve finite for S = 0 (B = 0 at every task's first step), where the right-hand side is exactly 0."""
     lam = delta * S.diagonal().mean() + torch.finfo(S.dtype).tiny
     return S + lam * torch.eye(S.shape[0], dtype=S.dtype, device=S.device)
 
@@ -142,7 +142,7 @@ class OnlineSubspace:
     memory M (dim x m) of all finished tasks. V is kept orthogonal to M (the projection during a task
     uses M only: projecting out V, the task's own subspace, would remove most of its gradient)."""
 
-    def __init__(self, dim, k, lr=1.0, decay_steps=20, device=None):
+    def __init__(self, dim, k, lr=1.0, decay_steps=5, device=None):
         self.dim, self.k, self.lr, self.decay_steps = dim, k, lr, decay_steps
         self.memory = torch.zeros(dim, 0, device=device)
         self.basis = self._fresh_basis()
@@ -327,6 +327,9 @@ def check_config(cfg):
                "--delta, --oe-lr, --oe-decay-steps and --steps must be positive"),
               (re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device), f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")]
     for ok, message in checks:
+              (cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
+               "--input-range checkpoint needs a named --weights; a file does not say how it was normalised: "
+               "pass --input-range half (Google npz files) or imagenet (DINO, torchvision)"),
         if not ok:
             raise ConfigError(message)
     if cfg.oe and cfg.k * (cfg.tasks - 1) >= width:  # allowed, but the reader should know what follows
@@ -347,9 +350,6 @@ def check_config(cfg):
 # ---------------------------------------------------------------------------------------------------
 def build_model(cfg):
     make = {"vit_base": vit.vit_base_patch16, "vit_small": vit.vit_small_patch16, "vit_tiny": vit.vit_tiny_patch16}
-              (cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
-               "--input-range checkpoint needs a named --weights; a file does not say how it was normalised: "
-               "pass --input-range half (Google npz files) or imagenet (DINO, torchvision)"),
     torch.manual_seed(0)  # with --weights none the random backbone plays the checkpoint: the same for every seed
     model = make[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size, lora_rank=cfg.rank,
                             lora_scale=cfg.lora_scale)
@@ -399,12 +399,12 @@ def features(model, loader, device):
 
 @torch.no_grad()
 def evaluate(model, heads, splits, tasks, cfg, device):
-    """Row t of the accuracy matrix: task-agnostic prediction over all seen classes (heads concatenated,
-    argmax, no task id), accuracy (%) per seen task."""
+    """Row t of the accuracy matrix, accuracy (%) per seen task: task-agnostic, the paper's (heads
+    concatenated, argmax over all seen classes, no task id), and task-aware (argmax over the true task's
+    head only). Task-aware is a diagnostic of ours: it leaves out how the separately trained heads compare."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=device)
     test = data.subset(splits.test, seen.tolist())
     z, y = features(model, data.make_loader(test, cfg.batch_size, False, cfg.workers, 0), device)
-    pred = seen[torch.cat([h(z) for h in heads], dim=1).argmax(1)]
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=device)
     for i, classes in enumerate(tasks[:len(heads)]):
         task_of[classes] = i

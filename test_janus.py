@@ -1066,6 +1066,13 @@ def test_end_to_end_on_synthetic_data(tmp_path, capsys):
     assert 0.25 <= a / b <= 4
     a, b = results["update, GR's split"][3:]
     assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided factors
+    # Low forgetting must not come from learning nothing: every variant cuts task 2's loss by 40% or more.
+    assert all(learned <= 0.6 * loss2 for _, _, learned, _, _ in results.values())
+    # The least-norm split keeps the factors of one size (measured ratio 1.0); GR's own split hands B's growth to A.
+    a, b = results["OE+GR update"][3:]
+    assert 0.25 <= a / b <= 4
+    a, b = results["update, GR's split"][3:]
+    assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided factors
 
 
 def test_the_loop_learns_each_task(tmp_path):
