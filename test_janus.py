@@ -739,6 +739,18 @@ def test_gr_is_the_tangent_space_projection(device):
     assert float((s * (B @ dA + dB @ A_perp) @ M).norm()) < 1e-10 * float(Gs.norm())
 
 
+def _joint_lstsq(Gs, A, B, s):
+    """Eq. (5) written as one linear least-squares system in (dA, dB) and solved by LAPACK's gelsd, which
+    returns the solution of least norm. -> (dA, dB, residual norm)."""
+    (r, d_in), d_out = A.shape, B.shape[0]
+    eye = lambda n: torch.eye(n, dtype=Gs.dtype, device=Gs.device)
+    # Row-major vec(P X Q) = (P kron Q^T) vec(X): vec(s B dA) and vec(s dB A) side by side
+    L = (s * torch.cat([torch.kron(B, eye(d_in)), torch.kron(eye(d_out), A.T.contiguous())], dim=1)).cpu()
+    x = torch.linalg.lstsq(L, Gs.flatten().cpu()[:, None], driver="gelsd").solution.flatten()
+    residual = (Gs.flatten().cpu() - L @ x).norm()
+    return x[:r * d_in].reshape(r, d_in).to(Gs.device), x[r * d_in:].reshape(d_out, r).to(Gs.device), residual
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gr_attains_the_joint_least_squares_optimum(device):
     G, M, A, B = _gr_problem(device)
@@ -746,22 +758,42 @@ def test_gr_attains_the_joint_least_squares_optimum(device):
     Gs = jm.safe_gradient(G, M)
     dA, dB = jm.rectify(Gs, A, B, s, delta=1e-14)
     ours = (Gs - s * (B @ dA + dB @ A)).norm()
-    # Eq. (5) is linear in (dA, dB): write it as one least-squares system and solve it.
-    r, d_in = A.shape
-    d_out = B.shape[0]
-    cols = []
-    for j in range(r * d_in):  # unit perturbations of dA
-        E = torch.zeros(r * d_in, dtype=G.dtype, device=device)
-        E[j] = 1
-        cols.append((s * B @ E.view(r, d_in)).flatten())
-    for j in range(d_out * r):  # unit perturbations of dB
-        E = torch.zeros(d_out * r, dtype=G.dtype, device=device)
-        E[j] = 1
-        cols.append((s * E.view(d_out, r) @ A).flatten())
-    L = torch.stack(cols, dim=1).cpu()
-    x = torch.linalg.lstsq(L, Gs.flatten().cpu()[:, None], driver="gelsd").solution
-    optimum = (Gs.flatten().cpu() - (L @ x).flatten()).norm()
+    optimum = _joint_lstsq(Gs, A, B, s)[2]
     assert abs(float(ours.cpu()) - float(optimum)) <= 1e-8 * float(Gs.norm())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_least_norm_split_is_the_minimum_norm_least_squares_solution(device):
+    G, M, A, B = _gr_problem(device)
+    s = 1.3
+    Gs = jm.safe_gradient(G, M)
+    hA, hB = jm.rectify(Gs, A, B, s, delta=1e-14)
+    dA, dB = jm.least_norm_split(hA, hB, A, B)
+    oA, oB, _ = _joint_lstsq(Gs, A, B, s)
+    assert rel(dA, oA) < 1e-8 and rel(dB, oB) < 1e-8  # the oracle: gelsd's minimum-norm solution
+    assert rel(B @ dA + dB @ A, B @ hA + hB @ A) < 1e-12  # the composite is untouched
+    assert dA.norm() ** 2 + dB.norm() ** 2 < hA.norm() ** 2 + hB.norm() ** 2  # GR's own split is not the least
+    assert rel(dA @ A.T, B.T @ dB) < 1e-10  # optimality of C: dA A^T = B^T dB
+    for A_, B_ in [(A, torch.zeros_like(B)), (torch.zeros_like(A), torch.zeros_like(B)), (A[[0, 0, 1]], B[:, [0, 0, 2]])]:
+        for dtype in (torch.float64, torch.float32):  # B = 0 starts every task; rank-deficient factors
+            A_, B_, hA_, hB_ = (t.to(dtype) for t in (A_, B_, hA, hB))
+            a, b = jm.least_norm_split(hA_, hB_, A_, B_)
+            assert torch.isfinite(a).all() and torch.isfinite(b).all()
+            composite = B_ @ hA_ + hB_ @ A_
+            assert float((B_ @ a + b @ A_ - composite).abs().max()) <= 1e-5 * (1 + float(composite.abs().max()))
+
+
+def test_violation_is_the_dense_relative_violation():
+    torch.manual_seed(4)
+    layer = vit.LoRALinear(24, 16, 4, 0.5)
+    with torch.no_grad():
+        layer.B.normal_()
+    layer.memory = torch.linalg.qr(torch.randn(24, 6))[0]
+    dW = (layer.scale * layer.B @ layer.A).detach()  # (d_out, d_in), formed densely here only
+    expected = float((dW @ layer.memory).norm() / dW.norm())
+    assert expected > 0.1 and abs(jm.violation(layer) - expected) < 1e-5 * expected
+    layer.memory = torch.zeros(24, 0)
+    assert jm.violation(layer) == 0.0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -863,6 +895,27 @@ def test_oe_converges_to_the_planted_subspace(device):
     assert trace[2000] < trace[10]
 
 
+def test_oe_captures_a_vit_tasks_activations_within_an_epoch():
+    """On the K/V inputs of a ViT (random ViT-Ti, one synthetic task of 96 images, batches of 16 images and all
+    their tokens, as in training), one epoch of OE updates (6) leaves a basis that captures nearly the
+    energy of the best rank-k subspace: the top-k eigenvectors of all the task's activations (the oracle).
+    These activations have one direction with most of the energy, where a scalar step overshoots."""
+    torch.manual_seed(0)
+    model = vit.vit_tiny_patch16(img_size=32, patch_size=8).eval()
+    task = data.subset(data.load_dataset('synthetic', None, 32, 0.0, 1.0).train, [0, 1, 2, 3])
+    k, subs, captured = 8, [jm.OnlineSubspace(192, 8) for _ in model.blocks], {}
+    with torch.no_grad():
+        X_all = [X.flatten(0, 1) for X in model.encode(torch.stack([task[i][0] for i in range(len(task))]))[1]]
+        best = [torch.linalg.eigvalsh(X.T @ X)[-k:].sum() for X in X_all]  # (B*N, D) per block: the optimum
+        for step, (images, _) in enumerate(data.make_loader(task, 16, True, 0, seed=0), 1):
+            for sub, X in zip(subs, model.encode(images)[1]):
+                sub.update(X.flatten(0, 1))  # (B, N, D) -> (B*N, D)
+            captured[step] = [float((X @ sub.basis).pow(2).sum() / b) for sub, X, b in zip(subs, X_all, best)]
+    print("OE energy captured / optimal, worst block, after each update of the epoch:",
+          [round(min(c), 4) for c in captured.values()])
+    assert len(captured) == 6 and min(captured[6]) >= 0.99
+
+
 def test_oe_is_scale_free_and_merges_into_an_orthonormal_memory():
     d, k = 32, 4
     Q, sd, g = _planted(d, k, gap=8.0, seed=2)
@@ -895,27 +948,6 @@ def test_oe_is_scale_free_and_merges_into_an_orthonormal_memory():
 
 
 # ---------------------------------------------------------------------------------------------------
-def test_oe_captures_a_vit_tasks_activations_within_an_epoch():
-    """On the K/V inputs of a ViT (random ViT-Ti, one synthetic task of 96 images, batches of 16 images and all
-    their tokens, as in training), one epoch of OE updates (6) leaves a basis that captures nearly the
-    energy of the best rank-k subspace: the top-k eigenvectors of all the task's activations (the oracle).
-    These activations have one direction with most of the energy, where a scalar step overshoots."""
-    torch.manual_seed(0)
-    model = vit.vit_tiny_patch16(img_size=32, patch_size=8).eval()
-    task = data.subset(data.load_dataset('synthetic', None, 32, 0.0, 1.0).train, [0, 1, 2, 3])
-    k, subs, captured = 8, [jm.OnlineSubspace(192, 8) for _ in model.blocks], {}
-    with torch.no_grad():
-        X_all = [X.flatten(0, 1) for X in model.encode(torch.stack([task[i][0] for i in range(len(task))]))[1]]
-        best = [torch.linalg.eigvalsh(X.T @ X)[-k:].sum() for X in X_all]  # (B*N, D) per block: the optimum
-        for step, (images, _) in enumerate(data.make_loader(task, 16, True, 0, seed=0), 1):
-            for sub, X in zip(subs, model.encode(images)[1]):
-                sub.update(X.flatten(0, 1))  # (B, N, D) -> (B*N, D)
-            captured[step] = [float((X @ sub.basis).pow(2).sum() / b) for sub, X, b in zip(subs, X_all, best)]
-    print("OE energy captured / optimal, worst block, after each update of the epoch:",
-          [round(min(c), 4) for c in captured.values()])
-    assert len(captured) == 6 and min(captured[6]) >= 0.99
-
-
 # Decoupled Margin Loss
 # ---------------------------------------------------------------------------------------------------
 def test_dml_terms():
@@ -1005,8 +1037,10 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
         loss1, loss2 = float(F.mse_loss(layer(X1), Y1)), float(F.mse_loss(layer(X2), Y2))
 
     results = {}
-    for name, oe, gr in [("all off", False, None), ("OE only", True, None),
-                         ("OE+GR grad", True, "grad"), ("OE+GR update", True, "update")]:
+    for name, oe, gr in [("all off", False, None), ("OE only", True, None), ("OE+GR grad", True, "grad"),
+                         ("OE+GR update", True, "update"), ("update, GR's split", True, "update")]:
+        if name == "update, GR's split":  # the update mode with Eqs. (6)-(7)'s own split, for comparison
+            monkeypatch.setattr(jm, "least_norm_split", lambda dA, dB, A, B: (dA, dB))
         lay = copy.deepcopy(layer)
         torch.manual_seed(1)
         if oe:
@@ -1025,6 +1059,13 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
     assert results["OE+GR update"][0] <= 1e-3
     assert results["OE+GR grad"][0] < results["all off"][0]
     assert results["OE+GR update"][1] < results["all off"][1]
+    # Low forgetting must not come from learning nothing: every variant cuts task 2's loss by 40% or more.
+    assert all(learned <= 0.6 * loss2 for _, _, learned, _, _ in results.values())
+    # The least-norm split keeps the factors of one size (measured ratio 1.0); GR's own split hands B's growth to A.
+    a, b = results["OE+GR update"][3:]
+    assert 0.25 <= a / b <= 4
+    a, b = results["update, GR's split"][3:]
+    assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided factors
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1053,26 +1094,18 @@ def test_end_to_end_on_synthetic_data(tmp_path, capsys):
     m = jm.metrics(A)
     assert r["ACC"] == pytest.approx(m["ACC"]) and r["MAA"] == pytest.approx(m["MAA"]) and r["BWT"] == pytest.approx(m["BWT"])
     assert r["ACC"] == pytest.approx(sum(A[2]) / 3)
+    # Task-aware: the argmax over the true task's head only. It is right whenever the argmax over all seen
+    # classes is, so it is never lower; with one head (row 1) the two are the same.
+    aware = r["task_aware"]
+    assert {k: aware[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(aware["acc_matrix"]))
+    assert all(aware["acc_matrix"][t][i] >= A[t][i] for t in range(3) for i in range(t + 1))
+    assert aware["acc_matrix"][0][0] == A[0][0] and res["summary"]["task_aware"]["ACC"]["mean"] == pytest.approx(aware["ACC"])
     assert res["summary"]["ACC"]["mean"] == pytest.approx(r["ACC"])
     assert [len(v) for v in r["violation"]["k"]] == [12, 12, 12] and len(r["violation"]["v"]) == 3
     assert all(v == 0 for v in r["violation"]["k"][0])  # task 1: no memory yet
     assert len(r["task_seconds"]) == 3 and (tmp_path / "run" / "checkpoint.pt").exists()
     out = capsys.readouterr().out
     assert "task 3/3 epoch 2/2" in out and "img/s" in out and "ETA" in out and "ACC" in out
-    # Low forgetting must not come from learning nothing: every variant cuts task 2's loss by 40% or more.
-    assert all(learned <= 0.6 * loss2 for _, _, learned, _, _ in results.values())
-    # The least-norm split keeps the factors of one size (measured ratio 1.0); GR's own split hands B's growth to A.
-    a, b = results["OE+GR update"][3:]
-    assert 0.25 <= a / b <= 4
-    a, b = results["update, GR's split"][3:]
-    assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided factors
-    # Low forgetting must not come from learning nothing: every variant cuts task 2's loss by 40% or more.
-    assert all(learned <= 0.6 * loss2 for _, _, learned, _, _ in results.values())
-    # The least-norm split keeps the factors of one size (measured ratio 1.0); GR's own split hands B's growth to A.
-    a, b = results["OE+GR update"][3:]
-    assert 0.25 <= a / b <= 4
-    a, b = results["update, GR's split"][3:]
-    assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided factors
 
 
 def test_the_loop_learns_each_task(tmp_path):
@@ -1101,12 +1134,6 @@ def test_resume_gives_the_uninterrupted_result_and_runs_are_deterministic(tmp_pa
     calls = {"n": 0}
     real_evaluate = jm.evaluate
 
-    # Task-aware: the argmax over the true task's head only. It is right whenever the argmax over all seen
-    # classes is, so it is never lower; with one head (row 1) the two are the same.
-    aware = r["task_aware"]
-    assert {k: aware[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(aware["acc_matrix"]))
-    assert all(aware["acc_matrix"][t][i] >= A[t][i] for t in range(3) for i in range(t + 1))
-    assert aware["acc_matrix"][0][0] == A[0][0] and res["summary"]["task_aware"]["ACC"]["mean"] == pytest.approx(aware["ACC"])
     def interrupted(*args):  # Ctrl-C at the end of task 3, after task 2's checkpoint was written
         calls["n"] += 1
         if calls["n"] == 3:
@@ -1144,6 +1171,8 @@ def _bad_inputs(tmp):
     torch.save(_timm_state(vit.vit_small_patch16(img_size=32)), tmp / "small.pth")  # ViT-S into a ViT-Ti
     (tmp / "trunc.pth").write_bytes((tmp / "small.pth").read_bytes()[:5000])
     (tmp / "noresume").mkdir()
+    (tmp / "oldformat").mkdir()
+    torch.save({"config": {}, "runs": [], "current": None}, tmp / "oldformat" / "checkpoint.pt")  # no "format"
     ckpt = [("16" if prev == "--patch-size" else a) for prev, a in zip([None] + TINY, TINY)]  # checkpoints are /16
     return [
         (["--dataset", "nope"], "invalid choice"),
@@ -1154,11 +1183,13 @@ def _bad_inputs(tmp):
         (ckpt + ["--weights", str(tmp / "trunc.pth")], "trunc.pth"),
         (ckpt + ["--weights", str(tmp / "junk.pth")], "junk.pth"),
         (ckpt + ["--weights", str(tmp / "small.pth")], "does not fit this ViT"),
+        (ckpt + ["--weights", str(tmp / "small.pth"), "--input-range", "checkpoint"], "--input-range half"),
         (TINY + ["--k", "0"], "--k"), (TINY + ["--k", "193"], "--k"), (TINY + ["--rank", "0"], "--rank"),
         (TINY + ["--tasks", "5"], "does not divide"), (TINY + ["--epochs", "0"], "--epochs"),
         (TINY + ["--batch-size", "0"], "--batch-size"), (TINY + ["--lr", "-1"], "--lr"),
         (TINY + ["--margin", "-0.1"], "--margin"), (TINY + ["--tau", "-1"], "--tau"),
         (TINY + ["--resume", str(tmp / "noresume")], "no checkpoint.pt"),
+        (TINY + ["--resume", str(tmp / "oldformat")], "another version"),
         (TINY + ["--device", "cuda:7"] if torch.cuda.is_available() else TINY + ["--device", "cuda"], "cuda"),
         (TINY + ["--device", "tpu"], "--device"), (TINY + ["--delta", "0"], "--delta"),
         (TINY + ["--lambda-dml", "nan"], "finite"), (TINY + ["--lora-scale", "inf"], "finite"),
@@ -1178,8 +1209,6 @@ def test_bad_input_gets_one_clear_line_and_leaves_dir_alone(tmp_path, capsys):
             code = e.code
         err = capsys.readouterr().err
         assert code == 2, argv
-    (tmp / "oldformat").mkdir()
-    torch.save({"config": {}, "runs": [], "current": None}, tmp / "oldformat" / "checkpoint.pt")  # no "format"
         lines = [l for l in err.strip().splitlines() if l]
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (argv, err)
         assert "Traceback" not in err
@@ -1197,14 +1226,6 @@ def test_bad_input_gets_one_clear_line_and_leaves_dir_alone(tmp_path, capsys):
     assert "the loss is nan" in capsys.readouterr().err and not (tmp_path / "nan" / "results.json").exists()
 
 
-def test_resume_of_a_finished_run_and_of_the_default_seeds(tmp_path, capsys):
-    assert jm.main(TINY + ["--out", str(tmp_path / "r")]) == 0  # --seeds left at its default, 0
-    before = _results(tmp_path / "r")
-    assert jm.main(TINY + ["--seeds", "0", "--resume", str(tmp_path / "r")]) == 0  # the same seed, typed; all done
-    after = _results(tmp_path / "r")
-    assert after["runs"] == before["runs"] and after["summary"] == before["summary"]
-    assert "ACC" in capsys.readouterr().out
-        (ckpt + ["--weights", str(tmp / "small.pth"), "--input-range", "checkpoint"], "--input-range half"),
 @pytest.mark.parametrize("flags, mean_std", [([], (0.0, 1.0)), (["--input-range", "checkpoint"], vit.MEAN_STD["half"]),
                                              (["--input-range", "checkpoint", "--weights", "dino"], vit.MEAN_STD["imagenet"]),
                                              (["--input-range", "imagenet"], vit.MEAN_STD["imagenet"])])
@@ -1227,3 +1248,10 @@ def test_safetensors_with_an_integer_tensor_names_it(small, tmp_path):
         vit.load_pretrained(vit.vit_tiny_patch16(depth=2), tmp_path / 'w.safetensors', verbose=False)
 
 
+def test_resume_of_a_finished_run_and_of_the_default_seeds(tmp_path, capsys):
+    assert jm.main(TINY + ["--out", str(tmp_path / "r")]) == 0  # --seeds left at its default, 0
+    before = _results(tmp_path / "r")
+    assert jm.main(TINY + ["--seeds", "0", "--resume", str(tmp_path / "r")]) == 0  # the same seed, typed; all done
+    after = _results(tmp_path / "r")
+    assert after["runs"] == before["runs"] and after["summary"] == before["summary"]
+    assert "ACC" in capsys.readouterr().out
