@@ -27,7 +27,6 @@ import janus_min as jm
 import vit
 
 
-
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
     """Every test runs as if offline, whether or not the machine has a network: no test may download a
@@ -1015,8 +1014,6 @@ def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4):
 
 
 def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
-
-
     torch.manual_seed(0)
     d_in, d_out, r, k = 32, 16, 4, 6
     U = orthonormal(d_in, d_in, dtype=torch.float32)
@@ -1076,7 +1073,6 @@ TINY = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "-
 
 
 def _results(folder):
-    import json
     with open(folder / "results.json") as f:
         return json.load(f)
 
