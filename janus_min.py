@@ -540,8 +540,9 @@ def plot(results, out):
         return
     fig, ax = plt.subplots(figsize=(5, 3.5))  # paper Fig. 5: mean accuracy over seen tasks after each task
     for r in results["runs"]:
-        m = r["acc_matrix"]
-        ax.plot(range(1, len(m) + 1), [sum(row[:t + 1]) / (t + 1) for t, row in enumerate(m)], "o-", label=f"seed {r['seed']}")
+        for m, style, what in ((r["acc_matrix"], "o-", ""), (r["task_aware"]["acc_matrix"], "s--", ", task-aware")):
+            ax.plot(range(1, len(m) + 1), [sum(row[:t + 1]) / (t + 1) for t, row in enumerate(m)], style,
+                    label=f"seed {r['seed']}{what}")
     ax.set(xlabel="task", ylabel="average accuracy on seen tasks (%)", title=results["config"]["dataset"],
            xticks=range(1, len(results["runs"][0]["acc_matrix"]) + 1))
     ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(out, "trajectory.png"), dpi=120)

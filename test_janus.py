@@ -1119,7 +1119,8 @@ def test_plots_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib")  # optional: without it the program prints a one-line note instead
     A = [[90.0, None], [80.0, 70.0]]
     viol = {"k": [[0.0, 0.0], [0.1, 0.2]], "v": [[0.0, 0.0], [0.3, 0.1]]}
-    jm.plot({"config": {"dataset": "synthetic"}, "runs": [{"seed": 0, "acc_matrix": A, "violation": viol}]}, str(tmp_path))
+    run = {"seed": 0, "acc_matrix": A, "task_aware": {"acc_matrix": [[90.0, None], [85.0, 75.0]]}, "violation": viol}
+    jm.plot({"config": {"dataset": "synthetic"}, "runs": [run]}, str(tmp_path))
     for name in ("trajectory.png", "violation.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
