@@ -451,7 +451,7 @@ def run(cfg, seed, base_model, splits, resume=None, log=print):
         heads.to(device)
         prototypes, acc, aware = resume["prototypes"].to(device), resume["acc"], resume["aware"]
         task_seconds, viol = resume["task_seconds"], resume["violation"]
-        torch.set_rng_state(resume["rng"]["torch"])
+        torch.set_rng_state(resume["rng"])
         log(f"seed {seed}: resumed after task {len(acc)}")
     first, t_start, done_epochs = len(acc), time.time(), 0
     for t in range(first, cfg.tasks):
@@ -502,7 +502,7 @@ def run(cfg, seed, base_model, splits, resume=None, log=print):
                 "  V: " + " ".join(f"{v:.3f}" for v in viol["v"][-1]))
         state = {"seed": seed, "kv": _kv_state(model), "subspaces": [s.state_dict() for s in subspaces],
                  "heads": heads.state_dict(), "prototypes": prototypes, "acc": acc, "aware": aware, "task_seconds": task_seconds,
-                 "violation": viol, "tasks": tasks, "rng": {"torch": torch.get_rng_state()}}
+                 "violation": viol, "tasks": tasks, "rng": torch.get_rng_state()}
         yield state
     full = [row + [None] * (cfg.tasks - len(row)) for row in acc]
     aware_full = [row + [None] * (cfg.tasks - len(row)) for row in aware]
