@@ -31,88 +31,106 @@ import vit
 # ==================================================================================================
 # ---- Theorem 1: the safe gradient ----------------------------------------------------------------
 def safe_gradient(G, M):
-    """G (d_out, d_in), M (d_in, m) orthonormal -> G (I - M M^T), Eq. (3); an empty M returns G."""
-    if M.shape[1] == 0:
+    """G (..., d_out, d_in), M (..., d_in, m) orthonormal -> G (I - M M^T), Eq. (3)."""
+    if M.shape[-1] == 0:
         return G
-    return G - (G @ M) @ M.T  # without forming the d_in x d_in projector
+    return G - (G @ M) @ M.mT  # without forming the d_in x d_in projector
 
 
 # ---- Gradient Rectification, Eqs. (5)-(7) --------------------------------------------------------
 def _ridge(S, delta):
-    """S + delta * mean(eig S) * I: a ridge relative to the Gram matrix S (README, "GR ridge")."""
-    lam = delta * S.diagonal().mean() + torch.finfo(S.dtype).tiny  # tiny: finite at S = 0 (B = 0)
-    return S + lam * torch.eye(S.shape[0], dtype=S.dtype, device=S.device)
+    """S + delta * mean(eig S) * I for Gram matrices S (..., r, r) (README, "GR ridge")."""
+    lam = delta * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
+    return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
+
+
+def _spd_solve(S, rhs):
+    """S^-1 rhs for symmetric positive definite S (..., n, n), by Cholesky and two triangular
+    solves: unlike linalg.solve, nothing checks the result on the host (no CUDA sync)."""
+    L = torch.linalg.cholesky_ex(S).L
+    return torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L, rhs, upper=False),
+                                         upper=True)
 
 
 def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
-    """GR from B^T G_safe (r, d_in) and G_safe A^T (d_out, r) alone -> (dA, dB)."""
-    dA = torch.linalg.solve(_ridge(B.T @ B, delta), BtG) / scale  # Eq. (6)
-    RAt = GAt - scale * B @ (dA @ A.T)  # R A^T, with the residual R = G_safe - s B dA
-    dB = torch.linalg.solve(_ridge(A @ A.T, delta), RAt.T).T / scale  # Eq. (7); A A^T symmetric
+    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone -> (dA, dB)."""
+    dA = _spd_solve(_ridge(B.mT @ B, delta), BtG) / scale  # Eq. (6)
+    RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
+    dB = _spd_solve(_ridge(A @ A.mT, delta), RAt.mT).mT / scale  # Eq. (7); A A^T symmetric
     return dA, dB
 
 
 def rectify(G_safe, A, B, scale, delta=1e-4):
     """Eqs. (6)-(7) for a dense G_safe (d_out, d_in). Reference form: not on the training path."""
-    return rectify_factors(B.T @ G_safe, G_safe @ A.T, A, B, scale, delta)
+    return rectify_factors(B.mT @ G_safe, G_safe @ A.mT, A, B, scale, delta)
 
 
 def rectify_gradients_(layers, delta):
-    """Replace each LoRA pair's gradients by GR's (the paper: Adam then takes them)."""
-    for layer in layers:
-        A, B, s = layer.A, layer.B, layer.scale
-        # autograd left gA = s B^T G_safe and gB = s G_safe A^T (Theorem 1, in the forward)
-        dA, dB = rectify_factors(A.grad / s, B.grad / s, A.detach(), B.detach(), s, delta)
-        A.grad.copy_(dA)
-        B.grad.copy_(dB)
+    """Replace the LoRA pairs' gradients by GR's, all layers in one batch (the paper: Adam then
+    takes them)."""
+    A, B = (torch.stack([getattr(layer, n).detach() for layer in layers]) for n in "AB")
+    gA, gB = (torch.stack([getattr(layer, n).grad for layer in layers]) for n in "AB")
+    s = layers[0].scale
+    # autograd left gA = s B^T G_safe and gB = s G_safe A^T (Theorem 1, in the forward)
+    dA, dB = rectify_factors(gA / s, gB / s, A, B, s, delta)
+    for layer, a, b in zip(layers, dA, dB):
+        layer.A.grad.copy_(a)
+        layer.B.grad.copy_(b)
 
 
 # ---- Online Estimation, Eqs. (8)-(10) ------------------------------------------------------------
 def _columns_off(V, M):
     """(I - M M^T) V: the columns of V without their part in span(M)."""
-    return V - M @ (M.T @ V)
+    return V - M @ (M.mT @ V)
 
 
 class OnlineSubspace:
-    """One block's OE basis V (dim, k) of the current task and protected memory M (dim, m) of the
-    finished ones. V stays orthogonal to M and joins it at the task's end."""
+    """OE's basis V (dim, k) of the current task and the protected memory M (dim, m) of the
+    finished ones, for one block, or for all at once (blocks=L: V (L, dim, k), M (L, dim, m)).
+    V stays orthogonal to M and joins it at the task's end."""
 
-    def __init__(self, dim, k, lr=1.0, decay_steps=5, device=None):
+    def __init__(self, dim, k, lr=1.0, decay_steps=5, device=None, blocks=None):
         self.dim, self.k, self.lr, self.decay_steps = dim, k, lr, decay_steps
-        self.memory = torch.zeros(dim, 0, device=device)
+        self.batch = () if blocks is None else (blocks,)
+        self.memory = torch.zeros(*self.batch, dim, 0, device=device)
         self.basis = self._fresh_basis()
         self.steps = 0
 
     def _fresh_basis(self):
-        k = min(self.k, self.dim - self.memory.shape[1])  # a full memory leaves no room
+        k = min(self.k, self.dim - self.memory.shape[-1])  # a full memory leaves no room
         # drawn on the CPU: a run's random numbers must not depend on the device
-        V = _columns_off(torch.randn(self.dim, k).to(self.memory.device), self.memory)
-        return torch.linalg.qr(V).Q
+        V = torch.randn(*self.batch, self.dim, k).to(self.memory.device)
+        return torch.linalg.qr(_columns_off(V, self.memory)).Q
 
     @torch.no_grad()
     def update(self, X):
-        """One step on Eq. (8), (1/2)||X_p - X_p V V^T||^2 with X_p = X (I - M M^T); X (n, dim)."""
+        """One step on Eq. (8), (1/2)||X_p - X_p V V^T||^2 with X_p = X (I - M M^T); X (n, dim),
+        or when batched a list of one (n, dim) per block."""
         V, M = self.basis, self.memory
-        if V.shape[1] == 0:
+        if V.shape[-1] == 0:
             return
-        X = X.float()
-        XV = X @ V  # (n, k); equals X_p V, as V is orthogonal to M
-        CV = _columns_off(X.T @ XV, M)  # X_p^T X_p V  (dim, k)
-        grad = -(CV - V @ (V.T @ CV))  # the Euclidean gradient of Eq. (8) at an orthonormal V
-        S = _ridge(XV.T @ XV, 1e-6)  # (k, k) energy per direction; ridge: an idle one stays finite
+        XtXV, S = [], []
+        for x, v in zip(X if self.batch else [X], V.reshape(-1, self.dim, V.shape[-1])):
+            x = x.float()  # one block at a time: a float32 copy of all blocks would be large
+            xv = x @ v  # (n, k); equals X_p V, as V is orthogonal to M
+            XtXV.append(x.T @ xv)
+            S.append(xv.T @ xv)  # (k, k): the energy each direction captures
+        CV = _columns_off(torch.stack(XtXV).reshape(V.shape), M)  # X_p^T X_p V
+        grad = -(CV - V @ (V.mT @ CV))  # the Euclidean gradient of Eq. (8) at an orthonormal V
+        S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: finite
         lr = self.lr * self.decay_steps / (self.decay_steps + self.steps)  # harmonic decay (ours)
         # Eq. (9), preconditioned by S^-1 (ours): scale-free, and lr = 1 is one subspace iteration
-        V_tilde = V - lr * torch.linalg.solve(S, grad.T).T
+        V_tilde = V - lr * _spd_solve(S, grad.mT).mT
         Q, R = torch.linalg.qr(V_tilde)  # Eq. (10)
-        signs = torch.diagonal(R).sign()
-        V = Q * torch.where(signs == 0, 1.0, signs)  # R's diagonal made positive: V does not flip
+        signs = R.diagonal(dim1=-2, dim2=-1).sign()
+        V = Q * torch.where(signs == 0, 1.0, signs)[..., None, :]  # R's diagonal > 0: no flips
         self.basis = _columns_off(V, M)  # round-off must not leak V into span(M)
         self.steps += 1
 
     @torch.no_grad()
     def merge(self):
         """End of a task: M <- orth([M, V]), and a fresh V off the new memory."""
-        self.memory = torch.linalg.qr(torch.cat([self.memory, self.basis], dim=1)).Q
+        self.memory = torch.linalg.qr(torch.cat([self.memory, self.basis], dim=-1)).Q
         self.basis = self._fresh_basis()
         self.steps = 0
 
@@ -124,14 +142,14 @@ class OnlineSubspace:
 
 
 # ---- Decoupled Margin Loss, Eq. (11) -------------------------------------------------------------
-def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07):
-    """Eq. (11). z (B, D) features, y (B,) labels of the current task, old_prototypes (P, D) unit
-    rows. The current prototypes are the batch's normalised class means (README, "DML")."""
+def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
+    """Eq. (11). z (B, D) features, y (B,) labels of the current task (of num_classes), old
+    prototypes (P, D) unit rows. The current prototypes are the batch's normalised class means."""
     z = F.normalize(z.float(), dim=1)
-    classes, y_idx = torch.unique(y, return_inverse=True)  # the current classes in the batch
-    protos = torch.zeros(len(classes), z.shape[1], device=z.device).index_add(0, y_idx, z)
-    protos = F.normalize(protos, dim=1)  # (C_b, D)
-    intra = F.cross_entropy(z @ protos.T / tau, y_idx)  # softmax over C_t of z.p_c / tau
+    onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C); pass C: no sync
+    protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
+    logits = (z @ protos.T / tau).masked_fill(onehot.sum(0) == 0, -math.inf)  # over C_t only
+    intra = F.cross_entropy(logits, y)  # softmax over the batch's classes of z.p_c / tau
     if old_prototypes.shape[0] == 0:
         return intra
     return intra + F.relu(z @ old_prototypes.T - margin).mean()  # hinge: mean over batch x old
@@ -158,23 +176,25 @@ def violation(layer):
 
 
 # ---- The integrated update (Sec. 3, "The Integrated Janus-LoRA Update Process") ------------------
-def train_step(model, head, opt, images, y, cfg, subspaces, prototypes):
+def train_step(model, head, opt, images, y, cfg, subspace, prototypes):
     """One training step, in the paper's order. y: labels local to the task. -> (loss, correct)."""
-    layers = [layer for _, _, layer in model.lora_layers()]
+    layers, online = [layer for _, _, layer in model.lora_layers()], cfg.oe and cfg.memory != "gpm"
     # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11)
-    with torch.autocast(images.device.type, torch.bfloat16, enabled=images.device.type == "cuda"):
-        z, kv_inputs = model.encode(images) if cfg.oe else (model(images), None)
+    with autocast(images.device, cfg):
+        z, kv_inputs = model.encode(images) if online else (model(images), None)
     z = z.float()
     logits = head(z)
     loss = F.cross_entropy(logits, y)
     if cfg.dml:
-        loss = loss + cfg.lambda_dml * dml_loss(z, y, prototypes, cfg.margin, cfg.tau)
+        loss = loss + cfg.lambda_dml * dml_loss(z, y, prototypes, cfg.margin, cfg.tau,
+                                                head.out_features)
     # OE, Eqs. (8)-(10), on this batch's K/V inputs: it learns the task's basis V, which joins the
     # memory M at the task's end; the projection in (3) uses M only, never V (README).
-    if cfg.oe:
-        for sub, X in zip(subspaces, kv_inputs):
-            sub.update(X.detach().flatten(0, 1))  # (B, N, D) -> (B*N, D): every token a sample
+    if online:
+        subspace.update([X.detach().flatten(0, 1) for X in kv_inputs])  # (B*N, D) per block
         del kv_inputs  # released before the backward pass peaks
+        if cfg.memory == "oe-rolling":  # the paper's words read literally: V is the memory
+            set_memories(model, subspace.basis)
     # (2) backward: the raw gradient, and at once (3) the safe gradient, Theorem 1, Eq. (3):
     # vit.LoRALinear.forward holds A's part in span(M) constant, so autograd returns
     # gA = s B^T G (I - M M^T) and gB = s G (I - M M^T) A^T, the chain rule of G_safe.
@@ -191,35 +211,59 @@ def train_step(model, head, opt, images, y, cfg, subspaces, prototypes):
     return loss.detach(), (logits.argmax(1) == y).sum()  # tensors: no host sync per step
 
 
+def autocast(device, cfg):
+    """bf16 autocast on CUDA unless --precision fp32 (the InfLoRA codebase's); none on the CPU."""
+    use = device.type == "cuda" and cfg.precision == "bf16"
+    return torch.autocast(device.type, torch.bfloat16, enabled=use)
+
+
+def set_memories(model, memories):
+    """Each LoRA layer projects with its block's memory (K and V of a block share their input)."""
+    for i, _, layer in model.lora_layers():
+        layer.memory = memories[i]
+
+
 # ==================================================================================================
 # Our additions: --rectify update (README, "--rectify grad and update")
 # ==================================================================================================
 def least_norm_split(dA, dB, A, B):
-    """Of the steps with the composite B dA + dB A, the one of least ||dA||^2 + ||dB||^2.
-    They differ by (C A, -B C); the best C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T."""
-    lam, U = torch.linalg.eigh(B.T @ B)  # (r,), (r, r)
-    sig, W = torch.linalg.eigh(A @ A.T)
-    den = lam[:, None] + sig[None, :]  # (r, r) >= 0: the Sylvester operator in those eigenbases
-    rhs = U.T @ (B.T @ dB - dA @ A.T) @ W
-    ok = den > den.max() * den.shape[0] * torch.finfo(den.dtype).eps  # singular where B = A = 0
-    C = U @ torch.where(ok, rhs / torch.where(ok, den, 1), 0) @ W.T
+    """Of the steps with the composite B dA + dB A, the one of least ||dA||^2 + ||dB||^2. They
+    differ by (C A, -B C); the best C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T."""
+    P, Q = B.mT @ B, A @ A.mT  # (..., r, r)
+    r, I = P.shape[-1], torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)
+    # row-major vec(P C + C Q) = (P kron I + I kron Q) vec(C): an r^2 x r^2 positive semidefinite
+    # system, consistent, solved with a round-off ridge (its least-norm solution where singular)
+    K = torch.einsum("...ik,jl->...ijkl", P, I) + torch.einsum("ik,...jl->...ijkl", I, Q)
+    rhs = (B.mT @ dB - dA @ A.mT).reshape(*P.shape[:-2], r * r, 1)
+    C = _spd_solve(_ridge(K.reshape(*P.shape[:-2], r * r, r * r), r * torch.finfo(P.dtype).eps),
+                   rhs).reshape(P.shape)
     return dA + C @ A, dB - B @ C
+
+
+def _stacked_memories(layers):
+    """The layers' memories as one (L, d_in, m) tensor; zero columns pad the narrower ones, which
+    changes no projection."""
+    m = max(layer.memory.shape[1] for layer in layers)
+    return torch.stack([F.pad(layer.memory, (0, m - layer.memory.shape[1])) for layer in layers])
 
 
 @torch.no_grad()
 def rectify_updates_(layers, before, delta):
     """Rectify the step Adam took from `before` (each layer's (A, B)): the composite step
     s (B dA + dB A) is projected by Theorem 1, rectified, and split with the least norm."""
-    for layer, (A0, B0) in zip(layers, before):
-        M, s = layer.memory, layer.scale
-        dA, dB = layer.A - A0, layer.B - B0  # Adam's proposed step
-        # B^T dW_safe and dW_safe A^T of dW = s (B dA + dB A), with r-wide products only
-        BtW = safe_gradient(s * ((B0.T @ B0) @ dA + (B0.T @ dB) @ A0), M)
-        Ap = safe_gradient(A0, M).T  # (I - M M^T) A^T  (d_in, r)
-        WAt = s * (B0 @ (dA @ Ap) + dB @ (A0 @ Ap))
-        rA, rB = least_norm_split(*rectify_factors(BtW, WAt, A0, B0, s, delta), A0, B0)
-        layer.A.copy_(A0 + rA)
-        layer.B.copy_(B0 + rB)
+    A0, B0 = (torch.stack(t) for t in zip(*before))  # (L, r, d_in), (L, d_out, r)
+    s = layers[0].scale
+    dA = torch.stack([layer.A for layer in layers]) - A0  # Adam's proposed step
+    dB = torch.stack([layer.B for layer in layers]) - B0
+    M = _stacked_memories(layers)
+    # B^T dW_safe and dW_safe A^T of dW = s (B dA + dB A), with r-wide products only
+    BtW = safe_gradient(s * ((B0.mT @ B0) @ dA + (B0.mT @ dB) @ A0), M)
+    Ap = safe_gradient(A0, M).mT  # (I - M M^T) A^T  (L, d_in, r)
+    WAt = s * (B0 @ (dA @ Ap) + dB @ (A0 @ Ap))
+    rA, rB = least_norm_split(*rectify_factors(BtW, WAt, A0, B0, s, delta), A0, B0)
+    for layer, a, b in zip(layers, A0 + rA, B0 + rB):
+        layer.A.copy_(a)
+        layer.B.copy_(b)
 
 
 def rectified_adam_step_(opt, layers, delta):
@@ -230,10 +274,62 @@ def rectified_adam_step_(opt, layers, delta):
 
 
 # ==================================================================================================
+# The paper's comparisons: GPM (LoRA-GPM, Table 5) and InfLoRA (Tables 2, 3), computed as the
+# InfLoRA codebase does (README, "Baselines")
+# ==================================================================================================
+@torch.no_grad()
+def kv_covariance(model, loader, cfg):
+    """Each block's uncentred K/V-input covariance (L, D, D) over every token of the loader."""
+    C, n, device = 0.0, 0, torch.device(cfg.device)
+    for images, _ in loader:
+        with autocast(device, cfg):
+            kv = model.encode(images.to(device, non_blocking=True))[1]  # (B, N, D) per block
+        X = [x.float().flatten(0, 1) for x in kv]
+        C, n = C + torch.stack([x.T @ x for x in X]), n + X[0].shape[0]
+    return C / n
+
+
+def gpm_extend(M, C, threshold):
+    """GPM (Saha et al., ICLR 2021): M (D, m) plus the fewest leading directions of (I - M M^T) C
+    that bring the captured share of C's energy to the threshold. As the InfLoRA codebase: the
+    energy of a direction is its squared singular value of the covariance C (D, D)."""
+    C, M64 = C.double(), M.double()  # once a task: float64 keeps the memory orthonormal
+    total = torch.linalg.svdvals(C).square().sum()
+    U, s, _ = torch.linalg.svd(C - M64 @ (M64.T @ C))
+    e = s.square() / total  # (D,) each residual direction's share
+    before = (1 - e.sum()) + torch.cumsum(e, 0) - e  # the share held before adding direction i
+    r = min(int((before < threshold).sum()), C.shape[0] - M.shape[1])  # never past the width
+    return torch.cat([M, U[:, :r].to(M.dtype)], dim=1)
+
+
+def gpm_threshold(cfg, t):
+    """InfLoRA's schedule of the GPM threshold: lamb at the first task towards lame at the last."""
+    lamb, lame = cfg.gpm_threshold
+    return lamb + (lame - lamb) * t / cfg.tasks
+
+
+def inflora_a(C, M, rank):
+    """InfLoRA's A (r, D): the top-r left singular vectors of (I - M M^T) C, over sqrt(3) as in its
+    code (Liang & Li, CVPR 2024); it lies off span(M) and stays frozen."""
+    C, M64 = C.double(), M.double()  # float64: the trailing vectors' round-off stays off M
+    U = _columns_off(torch.linalg.svd(C - M64 @ (M64.T @ C)).U[:, :rank], M64)
+    return (U.T / math.sqrt(3)).to(M.dtype)
+
+
+# ==================================================================================================
 # Configuration: one dataclass; each field is a flag, its help the meaning and source
 # ==================================================================================================
 def _opt(default, help, **kw):
     return field(default=default, metadata=dict(help=help, **kw))
+
+
+# The methods of the paper's comparisons as flag sets: --method NAME puts them before the others.
+METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
+           "finetune": ["--no-oe", "--no-gr", "--no-dml"],
+           "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
+           "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
+           "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
+GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); others 0.95, 1.0
 
 
 @dataclass
@@ -243,7 +339,11 @@ class Config:
     tasks: int = _opt(None, "tasks T (default: the protocol's, e.g. 10 for CIFAR-100; Sec. 4.1)")
     epochs: int = _opt(None, "epochs per task (default: CIFAR-100 20, ImageNet-R 50, DomainNet 5)")
     batch_size: int = _opt(None, "batch size (default: 128, paper Sec. 4.1; synthetic 16)")
-    lr: float = _opt(5e-4, "Adam learning rate, cosine-annealed per task (InfLoRA codebase)")
+    lr: float = _opt(5e-4, "Adam learning rate (paper Sec. 4.1; InfLoRA codebase)")
+    schedule: str = _opt("inflora", "lr per epoch of a task: inflora, the codebase's quarter "
+                         "cosine; cosine, a half cosine to 0", choices=["inflora", "cosine"])
+    precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
+                          choices=["bf16", "fp32"])
     model: str = _opt("vit_base", "backbone (paper: ViT-B/16)", choices=list(vit.PRESETS))
     weights: str = _opt("in21k", "in21k (paper), sam, dino (Table 4), torchvision, none, or a file")
     img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
@@ -262,6 +362,16 @@ class Config:
     dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 1, the ablation)")
     rectify: str = _opt("grad", "grad: GR's gradients go to Adam (paper); update: GR on Adam's "
                         "step, split with the least norm (ours)", choices=["grad", "update"])
+    memory: str = _opt("oe", "the protected memory: oe, each task's OE basis joins it (ours); "
+                       "oe-rolling, one OE basis per block is it (the paper's words); gpm, GPM's "
+                       "pass after each task (Table 5)", choices=["oe", "oe-rolling", "gpm"])
+    gpm_threshold: list = _opt(None, "GPM's energy threshold at the first and last task (default: "
+                               "InfLoRA's, 0.95 1.0; ImageNet-R 0.98 1.0)", nargs=2, type=float)
+    lora_a: str = _opt("trained", "each task's A: trained (paper), or designed from the task's "
+                       "K/V inputs off the memory and frozen (InfLoRA)",
+                       choices=["trained", "inflora"])
+    method: str = _opt(None, "a method of the paper's tables as a preset of flags; later flags "
+                       "override it (README, 'Methods')", choices=sorted(METHODS))
     input_range: str = _opt("unit", "unit: [0, 1] as the InfLoRA codebase (paper); checkpoint: as "
                             "a named --weights was trained; half: [-1, 1]; imagenet: its mean, std",
                             choices=["unit", "checkpoint", "half", "imagenet"])
@@ -285,6 +395,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = _Parser(add_help=False)
+    pre.add_argument("--method", choices=sorted(METHODS))
+    method = pre.parse_known_args(argv)[0].method
+    argv = METHODS.get(method, []) + argv  # a preset first: flags given explicitly override it
     p = _Parser(description="Janus-LoRA (ICML 2026): class-incremental learning with a frozen ViT "
                             "and LoRA, made stable by OE + GR and plastic by DML.")
     for f in fields(Config):
@@ -314,6 +429,7 @@ def check_config(cfg):
     for key in ("tasks", "epochs", "batch_size", "img_size"):
         if getattr(cfg, key) is None:
             setattr(cfg, key, info[key])
+    cfg.gpm_threshold = list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset, (0.95, 1.0)))
     cfg.seeds = list(cfg.seeds)  # one form (a typed --seeds is a list) for --resume's comparison
     floats = [f.name for f in fields(Config) if f.type is float]
     _require(all(math.isfinite(getattr(cfg, n)) for n in floats),
@@ -341,6 +457,10 @@ def check_config(cfg):
     _require(cfg.limit_per_class is None or cfg.limit_per_class >= 1,
              "--limit-per-class must be at least 1")
     _require(cfg.workers >= 0, "--workers must not be negative")
+    _require(0 < cfg.gpm_threshold[0] <= cfg.gpm_threshold[1] <= 1,
+             "--gpm-threshold takes two numbers 0 < first <= last <= 1")
+    _require(cfg.lora_a == "trained" or not cfg.gr,
+             "--lora-a inflora freezes A, and GR needs a trainable A: add --no-gr")
     _require(min(cfg.delta, cfg.oe_lr, cfg.oe_decay_steps, cfg.steps) > 0,
              "--delta, --oe-lr, --oe-decay-steps and --steps must be positive")
     _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device),
@@ -369,11 +489,21 @@ def build_model(cfg):
     return model.eval()  # for good: the ViT has no dropout, and training never switches modes
 
 
+def lr_factor(epoch, epochs, schedule):
+    """The lr of a task's epoch, as a factor of --lr: InfLoRA's CosineSchedule as its code steps
+    it, cos(99 pi e / (200 (K - 1))) for e = epoch - 1 after an epoch at 1; or a half cosine."""
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+    if epoch == 0 or epochs == 1:  # the codebase divides by zero at K = 1; one epoch at lr
+        return 1.0
+    return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
+
+
 @torch.no_grad()
-def features(model, loader, device):
-    zs, ys = [], []
+def features(model, loader, cfg):
+    zs, ys, device = [], [], torch.device(cfg.device)
     for images, y in loader:
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        with autocast(device, cfg):
             zs.append(model(images.to(device, non_blocking=True)).float())
         ys.append(y.to(device))
     return torch.cat(zs), torch.cat(ys)
@@ -387,13 +517,14 @@ def class_prototypes(z, y, classes):
 
 
 @torch.no_grad()
-def evaluate(model, heads, splits, tasks, cfg, device):
+def evaluate(model, heads, splits, tasks, cfg):
     """Row t of the accuracy matrices, per seen task: task-agnostic (the paper: all seen heads, one
-    argmax, no task id) and task-aware (ours: argmax over the true task's head only)."""
-    seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=device)
+    argmax, no task id) and task-aware (ours: the true task's head only); and the accuracy over
+    all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
+    seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
     test = data.subset(splits.test, seen.tolist())
-    z, y = features(model, data.make_loader(test, cfg.batch_size, False, cfg.workers, 0), device)
-    task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=device)
+    z, y = features(model, data.make_loader(test, cfg.batch_size, False, cfg.workers, 0), cfg)
+    task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
     for i, classes in enumerate(tasks[:len(heads)]):
         task_of[classes] = i
     logits = torch.cat([h(z) for h in heads], dim=1)  # (n, seen classes), in the order of `seen`
@@ -402,45 +533,47 @@ def evaluate(model, heads, splits, tasks, cfg, device):
     for pred in (seen[logits.argmax(1)], seen[logits.masked_fill(other_task, -math.inf).argmax(1)]):
         rows.append([100.0 * float((pred == y)[task_of[y] == i].float().mean())
                      for i in range(len(heads))])
-    return rows
+    return rows[0], rows[1], 100.0 * float((seen[logits.argmax(1)] == y).float().mean())
 
 
 @dataclass
 class Learner:
-    """One seed's run: what a task leaves to the next, and the rows measured so far."""
+    """One seed's run: what a task leaves to the next, and what was measured so far."""
     seed: int
     model: torch.nn.Module
-    subspaces: list  # an OnlineSubspace per block: OE's basis V and memory M
+    subspace: OnlineSubspace  # OE's bases V (blocks, D, k) and, with --memory oe, their memory
+    memory: list  # the protected memory M of each block, (D, m): what the projection uses
     heads: torch.nn.ModuleList  # one linear head per finished task
     prototypes: torch.Tensor  # (old classes, D), unit rows: DML's C_past
     acc: list = field(default_factory=list)  # task-agnostic accuracy rows (the paper's)
     aware: list = field(default_factory=list)  # task-aware rows (ours)
+    sample_acc: list = field(default_factory=list)  # per row, over all seen test samples
     task_seconds: list = field(default_factory=list)
     violation: dict = field(default_factory=lambda: {"k": [], "v": []})  # per task, per block
 
     def snapshot(self, tasks):
         """The checkpoint's "current": all the next task needs, and the run's generator."""
         kv = {n: t for n, t in self.model.state_dict().items() if re.search(r"\.attn\.[kv]\.", n)}
-        return {"seed": self.seed, "kv": kv, "subspaces": [s.state_dict() for s in self.subspaces],
-                "heads": self.heads.state_dict(), "prototypes": self.prototypes, "acc": self.acc,
-                "aware": self.aware, "task_seconds": self.task_seconds,
+        return {"seed": self.seed, "kv": kv, "subspace": self.subspace.state_dict(),
+                "memory": self.memory, "heads": self.heads.state_dict(),
+                "prototypes": self.prototypes, "acc": self.acc, "aware": self.aware,
+                "sample_acc": self.sample_acc, "task_seconds": self.task_seconds,
                 "violation": self.violation, "tasks": tasks, "rng": torch.get_rng_state()}
 
     def restore(self, state, tasks):
         device = self.prototypes.device
-        for sub, s in zip(self.subspaces, state["subspaces"]):
-            sub.load_state_dict({k: v.to(device) if torch.is_tensor(v) else v
-                                 for k, v in s.items()})
-        for i, _, layer in self.model.lora_layers():
-            layer.memory = self.subspaces[i].memory  # it grows over a run: set it before loading
+        to = lambda v: v.to(device) if torch.is_tensor(v) else v
+        self.subspace.load_state_dict({k: to(v) for k, v in state["subspace"].items()})
+        self.memory = [to(m) for m in state["memory"]]
         self.model.load_state_dict(state["kv"], strict=False)  # K and V; the rest is pretrained
+        set_memories(self.model, self.memory)
         D = self.model.embed_dim
         self.heads.extend(torch.nn.Linear(D, len(c)) for c in tasks[:len(state["acc"])])
         self.heads.load_state_dict(state["heads"])
         self.heads.to(device)
-        self.prototypes = state["prototypes"].to(device)
-        self.acc, self.aware = state["acc"], state["aware"]
-        self.task_seconds, self.violation = state["task_seconds"], state["violation"]
+        self.prototypes = to(state["prototypes"])
+        for key in ("acc", "aware", "sample_acc", "task_seconds", "violation"):
+            setattr(self, key, state[key])
         torch.set_rng_state(state["rng"])
 
     def results(self, T):
@@ -448,7 +581,8 @@ class Learner:
         pad = lambda rows: [row + [None] * (T - len(row)) for row in rows]
         return {"seed": self.seed, "acc_matrix": pad(self.acc), **metrics(self.acc),
                 "task_aware": {"acc_matrix": pad(self.aware), **metrics(self.aware)},
-                "task_seconds": self.task_seconds, "violation": self.violation}
+                "sample_acc": self.sample_acc, "task_seconds": self.task_seconds,
+                "violation": self.violation}
 
 
 def start_learner(cfg, seed, base_model, tasks, resume=None):
@@ -458,10 +592,10 @@ def start_learner(cfg, seed, base_model, tasks, resume=None):
     model = copy.deepcopy(base_model).to(device)
     for _, _, layer in model.lora_layers():
         layer.reset_lora_()  # the first task's A comes from this seed too
-    D = model.embed_dim
-    subspaces = [OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device)
-                 for _ in model.blocks]
-    learner = Learner(seed, model, subspaces, torch.nn.ModuleList(), torch.zeros(0, D).to(device))
+    L, D = len(model.blocks), model.embed_dim
+    subspace = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device, blocks=L)
+    learner = Learner(seed, model, subspace, [torch.zeros(D, 0, device=device)] * L,
+                      torch.nn.ModuleList(), torch.zeros(0, D, device=device))
     if resume is not None:
         learner.restore(resume, tasks)
     return learner
@@ -478,23 +612,40 @@ class Clock:
         return (time.time() - self.start) / self.done * (self.left - self.done)
 
 
+def start_task(learner, t, tasks, splits, cfg):
+    """Task t's start: a fresh head; with --lora-a inflora, InfLoRA designs each block's A from
+    the task's K/V inputs (test transform) off the memory, and freezes it."""
+    model, device = learner.model, learner.prototypes.device
+    learner.heads.append(torch.nn.Linear(model.embed_dim, len(tasks[t])).to(device))
+    learner.subspace.steps = 0  # each task's OE starts with large steps (README)
+    for _, _, layer in model.lora_layers():
+        layer.A.requires_grad_(cfg.lora_a == "trained")  # InfLoRA trains B only
+    if cfg.lora_a != "inflora":
+        return
+    loader = data.make_loader(data.subset(splits.train_eval, tasks[t]), cfg.batch_size, False,
+                              cfg.workers, 0)
+    C = kv_covariance(model, loader, cfg)  # (L, D, D)
+    A = [inflora_a(C_i, M, cfg.rank) for C_i, M in zip(C, learner.memory)]  # K, V share an A
+    with torch.no_grad():
+        for i, _, layer in model.lora_layers():
+            layer.A.copy_(A[i])
+
+
 def train_task(learner, t, classes, splits, cfg, clock, log=print):
-    """Task t's training: a fresh head and Adam, then cfg.epochs epochs of train_step."""
-    device, model = learner.prototypes.device, learner.model
-    head = torch.nn.Linear(model.embed_dim, len(classes)).to(device)
-    learner.heads.append(head)
+    """Task t's training: Adam on the LoRA pairs and the task's head, cfg.epochs epochs."""
+    device, model, head = learner.prototypes.device, learner.model, learner.heads[-1]
     local = torch.full((splits.num_classes,), -1, dtype=torch.long, device=device)
     local[classes] = torch.arange(len(classes), device=device)  # global class id -> index in head
     loader = data.make_loader(data.subset(splits.train, classes), cfg.batch_size, True, cfg.workers,
                               learner.seed * 1000 + t)
-    opt = torch.optim.Adam(model.lora_parameters() + list(head.parameters()), lr=cfg.lr,
-                           betas=(0.9, 0.999))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs)
+    params = [p for p in model.lora_parameters() if p.requires_grad] + list(head.parameters())
+    opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.999))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, cfg.epochs, cfg.schedule))
     for epoch in range(cfg.epochs):
         e0, loss_sum, correct, seen = time.time(), 0.0, 0, 0
         for images, y in loader:
             images, y = images.to(device, non_blocking=True), local[y.to(device)]
-            loss, right = train_step(model, head, opt, images, y, cfg, learner.subspaces,
+            loss, right = train_step(model, head, opt, images, y, cfg, learner.subspace,
                                      learner.prototypes)
             loss_sum, correct, seen = loss_sum + loss * len(y), correct + right, seen + len(y)
         sched.step()
@@ -510,24 +661,27 @@ def train_task(learner, t, classes, splits, cfg, clock, log=print):
 
 @torch.no_grad()
 def end_task(learner, t, tasks, splits, cfg):
-    """Task t's end: its violation, class prototypes, the OE merge, the LoRA merge, evaluation."""
+    """Task t's end: its violation, class prototypes, the memory's update, the LoRA merge."""
     model, device = learner.model, learner.prototypes.device
     for name in ("k", "v"):
         learner.violation[name].append([violation(layer) for _, n, layer in model.lora_layers()
                                         if n == name])
     loader = data.make_loader(data.subset(splits.train_eval, tasks[t]), cfg.batch_size, False,
                               cfg.workers, 0)
-    new = class_prototypes(*features(model, loader, device), tasks[t])
+    new = class_prototypes(*features(model, loader, cfg), tasks[t])
     learner.prototypes = torch.cat([learner.prototypes, new])
-    if cfg.oe:
-        for sub in learner.subspaces:
-            sub.merge()
-    for i, _, layer in model.lora_layers():
-        layer.memory = learner.subspaces[i].memory  # K and V of block i share their input
+    if cfg.oe and cfg.memory == "oe":  # this task's OE basis joins the memory
+        learner.subspace.merge()
+        learner.memory = list(learner.subspace.memory)
+    elif cfg.oe and cfg.memory == "oe-rolling":  # the basis goes on to the next task as it is
+        learner.memory = list(learner.subspace.basis)
+    elif cfg.oe:  # GPM's offline pass over the task's images, counted in its task_seconds
+        C = kv_covariance(model, loader, cfg)
+        learner.memory = [gpm_extend(M, C_i, gpm_threshold(cfg, t))
+                          for M, C_i in zip(learner.memory, C)]
+    set_memories(model, learner.memory)
+    for _, _, layer in model.lora_layers():
         layer.merge_()  # W += s B A, then a fresh pair with A off the new memory
-    for rows, row in zip((learner.acc, learner.aware),
-                         evaluate(model, learner.heads, splits, tasks, cfg, device)):
-        rows.append(row)
 
 
 def run_seed(cfg, seed, base_model, splits, save, resume=None, log=print):
@@ -539,14 +693,18 @@ def run_seed(cfg, seed, base_model, splits, save, resume=None, log=print):
         log(f"seed {seed}: resumed after task {first}")
     clock = Clock((cfg.tasks - first) * cfg.epochs)
     for t in range(first, cfg.tasks):
-        t0 = time.time()
+        t0 = time.time()  # a task's time: its training and its method's own passes, not the tests
+        start_task(learner, t, tasks, splits, cfg)
         train_task(learner, t, tasks[t], splits, cfg, clock, log)
         end_task(learner, t, tasks, splits, cfg)
         learner.task_seconds.append(time.time() - t0)
-        acc, aware = learner.acc[-1], learner.aware[-1]
+        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg)
+        learner.acc.append(acc)
+        learner.aware.append(aware)
+        learner.sample_acc.append(sample)
         log(f"task {t + 1} accuracy per task: " + " ".join(f"{a:.2f}" for a in acc) +
-            f"  | mean {sum(acc) / len(acc):.2f}  | task-aware mean {sum(aware) / len(aware):.2f}"
-            f"  | {learner.task_seconds[-1]:.1f} s")
+            f"  | mean {sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
+            f"{sum(aware) / len(aware):.2f}  | {learner.task_seconds[-1]:.1f} s")
         if t > 0 and cfg.oe:  # task 1 has no memory to violate
             viol = {n: " ".join(f"{v:.3f}" for v in learner.violation[n][-1]) for n in "kv"}
             log(f"task {t + 1} violation ||dW M||/||dW|| per block  K: {viol['k']}  V: {viol['v']}")
@@ -561,6 +719,7 @@ def summarize(runs):
     """Mean and std over seeds of ACC, MAA, BWT, and of the same three for task-aware accuracy."""
     stats = lambda v: {"mean": statistics.fmean(v), "std": statistics.pstdev(v)}
     out = {key: stats([r[key] for r in runs]) for key in ("ACC", "MAA", "BWT")}
+    out["sample_ACC"] = stats([r["sample_acc"][-1] for r in runs])  # over the final test samples
     out["task_aware"] = {key: stats([r["task_aware"][key] for r in runs])
                          for key in ("ACC", "MAA", "BWT")}
     return out
@@ -609,18 +768,18 @@ def _bench_variant(cfg, base, change, m, C):
     """One --benchmark variant in a mid-run state: a random memory of m columns per block."""
     vcfg, model, D = Config(**{**asdict(cfg), **change}), copy.deepcopy(base), base.embed_dim
     model.to(cfg.device)
-    subs = [OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device)
-            for _ in model.blocks]
-    for i, _, layer in model.lora_layers() if vcfg.oe else []:
-        if subs[i].memory.shape[1] == 0:  # one memory per block, shared by its K and V
-            subs[i].memory = torch.linalg.qr(torch.randn(D, m, device=cfg.device)).Q
-            subs[i].basis = subs[i]._fresh_basis()
-        layer.memory = subs[i].memory
-        layer.reset_lora_()
+    subspace = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device,
+                              blocks=len(model.blocks))
+    if vcfg.oe:  # one memory per block, shared by its K and V; V starts off it
+        subspace.memory = torch.linalg.qr(torch.randn(len(model.blocks), D, m)).Q.to(cfg.device)
+        subspace.basis = subspace._fresh_basis()
+        set_memories(model, subspace.memory)
+        for _, _, layer in model.lora_layers():
+            layer.reset_lora_()
     old = F.normalize(torch.randn(C * (cfg.tasks // 2), D, device=cfg.device), dim=1)
     head = torch.nn.Linear(D, C).to(cfg.device)
     opt = torch.optim.Adam(model.lora_parameters() + list(head.parameters()), lr=cfg.lr)
-    return lambda images, y: train_step(model, head, opt, images, y, vcfg, subs, old)
+    return lambda images, y: train_step(model, head, opt, images, y, vcfg, subspace, old)
 
 
 def _time_loader(cfg):
@@ -693,7 +852,7 @@ def benchmark(cfg):
 
 
 RESUME_FREE = ("out", "resume", "device", "workers")  # flags that may differ on --resume
-CHECKPOINT_FORMAT = 2  # raised whenever checkpoint.pt's content changes: old files are refused
+CHECKPOINT_FORMAT = 3  # raised whenever checkpoint.pt's content changes: old files are refused
 
 
 def load_checkpoint(cfg):
@@ -748,7 +907,7 @@ def print_summary(results):
     for row in last["acc_matrix"]:
         print("  " + " ".join("  -  " if a is None else f"{a:5.1f}" for a in row))
     print("  ".join(f"{k} {summary[k]['mean']:.2f} +- {summary[k]['std']:.2f}"
-                    for k in ("ACC", "MAA", "BWT"))
+                    for k in ("ACC", "MAA", "BWT", "sample_ACC"))
           + f"  over {len(results['runs'])} seed(s);  task-aware: "
           + "  ".join(f"{k} {v['mean']:.2f}" for k, v in summary["task_aware"].items()))
     print(f"time per task (s): {' '.join(f'{x:.1f}' for x in last['task_seconds'])}; total "

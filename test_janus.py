@@ -940,22 +940,25 @@ def test_metrics_on_a_hand_computed_matrix():
 
 def test_evaluate_tells_task_agnostic_from_task_aware():
     """Hand-built heads where task 2's head always dominates: task 1's samples are 0% right
-    task-agnostically (the paper's argmax over all heads) and 100% task-aware."""
+    task-agnostically (the paper's argmax over all heads) and 100% task-aware; the accuracy over
+    samples weighs the tasks by their test sizes."""
     class Identity(torch.nn.Module):
         def forward(self, x):
             return x.flatten(1)
     D, tasks = 4, [[0, 1], [2, 3]]
-    images = torch.eye(D).repeat(3, 1).reshape(12, 1, 2, 2)  # z = one-hot of the class
-    test = data._Images(list(images), [0, 1, 2, 3] * 3, lambda x: x)
+    labels = [0, 1, 2, 3, 2, 3, 2, 3]  # task 1: 2 test samples, task 2: 6
+    images = torch.eye(D)[labels].reshape(8, 1, 2, 2)  # z = one-hot of the class
+    test = data._Images(list(images), labels, lambda x: x)
     splits = data.Splits(None, None, test, 4, list('abcd'))
     heads = torch.nn.ModuleList([torch.nn.Linear(D, 2, bias=False), torch.nn.Linear(D, 2)])
     with torch.no_grad():
         heads[0].weight.copy_(torch.eye(D)[:2])  # right, on its own classes
         heads[1].weight.copy_(torch.eye(D)[2:])
         heads[1].bias.fill_(10.0)  # dominates every sample
-    cfg = jm.Config(batch_size=5, workers=0)
-    agnostic, aware = jm.evaluate(Identity(), heads, splits, tasks, cfg, torch.device("cpu"))
+    cfg = jm.Config(batch_size=5, workers=0, device="cpu")
+    agnostic, aware, samples = jm.evaluate(Identity(), heads, splits, tasks, cfg)
     assert agnostic == [0.0, 100.0] and aware == [100.0, 100.0]
+    assert samples == 75.0  # 6 of 8 samples, where the mean over tasks is 50
 
 
 def test_violation_is_the_dense_relative_violation():
@@ -1014,6 +1017,56 @@ def test_rectify_updates_matches_the_dense_reference():
     rA, rB = jm.least_norm_split(*jm.rectify(target, A0, B0, s, 1e-4), A0, B0)
     jm.rectify_updates_([layer], [(A0, B0)], 1e-4)
     assert rel(layer.A.detach() - A0, rA) < 1e-10 and rel(layer.B.detach() - B0, rB) < 1e-10
+
+
+def test_lr_schedule_follows_the_inflora_codebase():
+    """InfLoRA's CosineSchedule as its code steps it: epochs 0 and 1 at lr, then
+    cos(99 pi (e - 1) / (200 (K - 1))); K = 1: one epoch at lr; --schedule cosine: a half cosine."""
+    K = 20
+    codebase = [1.0] + [math.cos(99 * math.pi * e / (200 * (K - 1))) for e in range(K - 1)]
+    assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(codebase)
+    assert sum(codebase) / K == pytest.approx(0.685, abs=1e-3) and codebase[-1] > 0.09
+    assert [jm.lr_factor(e, 1, "inflora") for e in range(2)] == [1.0, 1.0]
+    half = [1, 0.8536, 0.5, 0.1464]
+    assert [jm.lr_factor(e, 4, "cosine") for e in range(4)] == pytest.approx(half, abs=1e-4)
+
+
+def _planted_covariance(eigenvalues, seed):
+    g = torch.Generator().manual_seed(seed)
+    U = orthonormal(len(eigenvalues), len(eigenvalues), gen=g)
+    return U @ torch.diag(torch.tensor(eigenvalues, dtype=torch.float64)) @ U.T, U
+
+
+def test_gpm_adds_the_fewest_directions_that_reach_the_threshold():
+    """GPM on a planted spectrum: the energy (squared eigenvalues of C, as the InfLoRA codebase)
+    captured by the memory reaches the threshold, and one direction fewer would not."""
+    lam = [5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1]
+    C, U = _planted_covariance(lam, 0)
+    e = torch.tensor(lam, dtype=torch.float64) ** 2
+    share = lambda M: float((torch.linalg.svdvals(M.T @ C) ** 2).sum() / e.sum())  # captured
+    for threshold in (0.5, 0.9, 0.99):
+        M = jm.gpm_extend(torch.zeros(8, 0, dtype=torch.float64), C, threshold)
+        r = int((torch.cumsum(e, 0) / e.sum() < threshold).sum()) + 1  # the direct count
+        assert M.shape[1] == r and share(M) >= threshold > share(M[:, :-1])
+        assert _sin_largest_angle(U[:, :r], M) < 1e-8  # the leading eigenvectors
+    M1 = jm.gpm_extend(torch.zeros(8, 0, dtype=torch.float64), C, 0.5)
+    C2, _ = _planted_covariance([3.0, 2.9, 2.8, 0.5, 0.4, 0.3, 0.2, 0.1], 1)  # the next task
+    M2 = jm.gpm_extend(M1, C2, 0.95)
+    assert torch.equal(M2[:, :M1.shape[1]], M1)  # the old memory is kept
+    assert float((M2.T @ M2 - torch.eye(M2.shape[1], dtype=torch.float64)).abs().max()) < 1e-10
+    held = lambda M: float((torch.linalg.svdvals(M.T @ C2) ** 2).sum() /
+                           (torch.linalg.svdvals(C2) ** 2).sum())
+    assert held(M2) >= 0.95 > held(M2[:, :-1])
+
+
+def test_inflora_a_is_off_the_memory():
+    """InfLoRA's A: orthonormal rows over sqrt(3), off span(M), along (I - M M^T) C's leading
+    left singular vectors."""
+    C, _ = _planted_covariance([5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1], 2)
+    M = orthonormal(8, 2)
+    A = jm.inflora_a(C, M, 3)
+    assert A.shape == (3, 8) and float((A @ M).abs().max()) < 1e-12
+    assert torch.allclose(A @ A.T * 3, torch.eye(3, dtype=torch.float64), atol=1e-12)
 
 
 def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4):
@@ -1101,13 +1154,18 @@ def tiny_run(tmp_path_factory):
     """One run of TINY (three tasks), read by every test below that only reads results. It records,
     after each task, whether every LoRA layer holds its block's memory, and the memory width that
     each violation was computed against."""
-    out, seen = tmp_path_factory.mktemp("tiny") / "run", {"holds": [], "widths": []}
-    real_end, real_violation = jm.end_task, jm.violation
+    out, seen = tmp_path_factory.mktemp("tiny") / "run", {"holds": [], "widths": [], "lr": []}
+    real_end, real_violation, real_step = jm.end_task, jm.violation, jm.train_step
+
+    def train_step(model, head, opt, *args):
+        seen["lr"].append(opt.param_groups[0]["lr"])
+        return real_step(model, head, opt, *args)
 
     def end_task(learner, t, *args):
         real_end(learner, t, *args)
-        seen["holds"].append([layer.memory is learner.subspaces[i].memory
+        seen["holds"].append([layer.memory is learner.memory[i]
                               and layer.memory.shape[1] == 8 * (t + 1)
+                              and torch.equal(layer.memory, learner.subspace.memory[i])
                               for i, _, layer in learner.model.lora_layers()])
 
     def violation(layer):
@@ -1116,6 +1174,7 @@ def tiny_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
         mp.setattr(jm, "end_task", end_task)
         mp.setattr(jm, "violation", violation)
+        mp.setattr(jm, "train_step", train_step)
         code = jm.main(TINY + ["--out", str(out)])
     return dict(out=out, code=code, res=_results(out), log=log.getvalue(), **seen)
 
@@ -1140,6 +1199,13 @@ def test_end_to_end_results_are_consistent(tiny_run):
     assert all(s in tiny_run["log"] for s in ("task 3/3 epoch 2/2", "img/s", "ETA", "ACC"))
 
 
+def test_each_epoch_runs_at_the_schedules_lr(tiny_run):
+    """InfLoRA's schedule at K = 2 keeps both epochs at --lr (a half cosine would halve the 2nd)."""
+    per_epoch = 12  # 4 classes x 24 images / batch 8
+    lrs = tiny_run["lr"]
+    assert len(lrs) == 3 * 2 * per_epoch and set(lrs) == {5e-3}
+
+
 def test_the_loop_learns_each_task(tiny_run):
     """Measured diagonal 96.9, 96.9, 71.9 (seed 0, CPU); chance is 25% within a task: these bounds
     fail when labels, heads or the optimizer are wired wrongly."""
@@ -1153,6 +1219,41 @@ def test_every_layer_holds_its_blocks_memory_after_each_task(tiny_run):
     assert len(tiny_run["holds"]) == 3 and all(all(h) for h in tiny_run["holds"])
     widths = tiny_run["widths"]  # 24 layers per task
     assert widths == [0] * 24 + [8] * 24 + [16] * 24
+
+
+@pytest.mark.parametrize("method", sorted(jm.METHODS))
+def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
+    """Each preset on two short synthetic tasks: valid results; InfLoRA's A stays as designed,
+    off the memory, so its update's violation is round-off; GPM's memory grows per block;
+    oe-rolling's memory is always one rank-k basis."""
+    seen = {"designed": [], "widths": []}
+    real_design, real_end = jm.inflora_a, jm.end_task
+    monkeypatch.setattr(jm, "inflora_a", lambda *a: seen["designed"].append(real_design(*a)) or
+                        seen["designed"][-1])
+
+    def end_task(learner, t, *args):
+        layers = [layer for _, _, layer in learner.model.lora_layers()]
+        if method == "inflora":  # A after training, before the merge: still the designed one
+            designed = seen["designed"][-len(layers) // 2:]  # one per block
+            assert all(torch.equal(layer.A, designed[i // 2]) for i, layer in enumerate(layers))
+            assert all(float((layer.A @ layer.memory).norm()) < 1e-5 for layer in layers)
+        real_end(learner, t, *args)
+        seen["widths"].append([m.shape[1] for m in learner.memory])
+    monkeypatch.setattr(jm, "end_task", end_task)
+    argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1") + ["--method", method]
+    assert jm.main(argv + ["--out", str(tmp_path)]) == 0
+    r = _results(tmp_path)["runs"][0]
+    assert {k: r[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(r["acc_matrix"]))
+    assert len(r["sample_acc"]) == 2 and len(r["task_seconds"]) == 2
+    widths = seen["widths"]
+    if method == "inflora":
+        assert max(r["violation"]["k"][1] + r["violation"]["v"][1]) < 1e-5
+    if method.startswith("lora-gpm") or method == "inflora":
+        assert 0 < min(widths[0]) and all(b >= a for a, b in zip(widths[0], widths[1]))
+    if method == "janus-rolling":
+        assert widths == [[8] * 12, [8] * 12]
+    if method == "finetune":
+        assert widths == [[0] * 12, [0] * 12]
 
 
 def test_plots_when_matplotlib_is_installed(tmp_path):

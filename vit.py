@@ -45,7 +45,8 @@ class LoRALinear(nn.Linear):
         self.scale = float(scale)
         self.A = nn.Parameter(torch.empty(rank, in_features))   # (r, d_in)
         self.B = nn.Parameter(torch.empty(out_features, rank))  # (d_out, r)
-        self.register_buffer('memory', torch.zeros(in_features, 0))  # (d_in, m), orthonormal
+        # (d_in, m), orthonormal; set by the trainer (not saved with the weights)
+        self.register_buffer('memory', torch.zeros(in_features, 0), persistent=False)
         self.reset_lora_()
 
     def forward(self, x):  # x (..., d_in)
