@@ -377,6 +377,8 @@ class Config:
                             choices=["unit", "checkpoint", "half", "imagenet"])
     seeds: list = _opt((0,), "seeds; several give mean +- std (paper: 5)", nargs="+", type=int)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    compile: bool = _opt(False, "torch.compile each ViT block (off until it measures faster)",
+                         action="store_true")
     workers: int = _opt(min(8, os.cpu_count() or 1), "loader workers (default: the cores, <= 8)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class")
     out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
@@ -592,6 +594,8 @@ def start_learner(cfg, seed, base_model, tasks, resume=None):
     model = copy.deepcopy(base_model).to(device)
     for _, _, layer in model.lora_layers():
         layer.reset_lora_()  # the first task's A comes from this seed too
+    for block in model.blocks if cfg.compile else []:
+        block.compile()  # in place: the parameter names, and so the checkpoints, stay the same
     L, D = len(model.blocks), model.embed_dim
     subspace = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device, blocks=L)
     learner = Learner(seed, model, subspace, [torch.zeros(D, 0, device=device)] * L,
@@ -768,6 +772,8 @@ def _bench_variant(cfg, base, change, m, C):
     """One --benchmark variant in a mid-run state: a random memory of m columns per block."""
     vcfg, model, D = Config(**{**asdict(cfg), **change}), copy.deepcopy(base), base.embed_dim
     model.to(cfg.device)
+    for block in model.blocks if cfg.compile else []:
+        block.compile()
     subspace = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device,
                               blocks=len(model.blocks))
     if vcfg.oe:  # one memory per block, shared by its K and V; V starts off it

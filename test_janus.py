@@ -1069,6 +1069,51 @@ def test_inflora_a_is_off_the_memory():
     assert torch.allclose(A @ A.T * 3, torch.eye(3, dtype=torch.float64), atol=1e-12)
 
 
+STEP_VARIANTS = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": {},
+                 "janus-update": dict(rectify="update"), "oe-rolling": dict(memory="oe-rolling"),
+                 "gpm": dict(memory="gpm"), "fp32": dict(precision="fp32")}
+
+
+def _step_of(change, device, compile=False):
+    """A train_step of a variant in a mid-run state (the benchmark's), on a small ViT."""
+    argv = ["--model", "vit_tiny", "--weights", "none", "--img-size", "32", "--patch-size", "8",
+            "--k", "8", "--dataset", "synthetic", "--device", device] + ["--compile"] * compile
+    cfg = jm.check_config(jm.parse_args(argv))
+    torch.manual_seed(0)
+    base = jm.build_model(cfg)
+    images, y = torch.randn(4, 3, 32, 32, device=device), torch.tensor([0, 1, 2, 3], device=device)
+    return jm._bench_variant(cfg, base, change, 16, 4), images, y
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", list(STEP_VARIANTS))
+def test_train_step_never_syncs_with_the_host_on_cuda(variant):
+    """A training step of every variant runs under torch.cuda.set_sync_debug_mode("error")."""
+    step, images, y = _step_of(STEP_VARIANTS[variant], "cuda")
+    step(images, y)  # warm-up: handles, workspaces and first-call checks may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            step(images, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_compiled_blocks_give_the_same_step(monkeypatch):
+    """--compile (torch.compile of each block) gives the steps of the plain model. Traced here by
+    TorchDynamo with the eager backend: CI can afford it, and tracing is where a block could fail."""
+    real = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: real(self, backend="eager"))
+    losses = []
+    for compile in (False, True):
+        torch._dynamo.reset()
+        step, images, y = _step_of({}, "cpu", compile)
+        losses.append([float(step(images, y)[0]) for _ in range(3)])
+    assert torch._dynamo.utils.counters["frames"]["ok"] >= 1  # the blocks were traced
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4):
     """Adam on one LoRA layer; gr in (None, 'grad', 'update'); sub: an OnlineSubspace to update."""
     opt = torch.optim.Adam([layer.A, layer.B], lr=lr)
