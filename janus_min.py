@@ -166,13 +166,13 @@ def metrics(acc):
 
 @torch.no_grad()
 def violation(layer):
-    """||dW M||_F / ||dW||_F of the layer's task update dW = s B A, from r x r products only."""
+    """||dW M||_F / ||dW||_F of the layer's task update dW = s B A, from r x r products only;
+    None where it is undefined (no memory yet, or no update, as under a full memory)."""
     A, B, M = layer.A, layer.B, layer.memory
-    if M.shape[1] == 0:
-        return 0.0
-    num = (B @ (A @ M)).norm()
     den = ((B.T @ B) * (A @ A.T)).sum().clamp_min(0).sqrt()  # ||B A||_F^2 = tr(B^T B A A^T)
-    return float(num / den) if den > 0 else 0.0
+    if M.shape[1] == 0 or den == 0:
+        return None
+    return float((B @ (A @ M)).norm() / den)
 
 
 # ---- The integrated update (Sec. 3, "The Integrated Janus-LoRA Update Process") ------------------
@@ -317,6 +317,53 @@ def inflora_a(C, M, rank):
 
 
 # ==================================================================================================
+# The paper's analyses, measured in every run: the null-space violation on real activations
+# (Fig. 2), DML's geometry (Fig. 3 and the appendix's density), the time per task and epoch
+# ==================================================================================================
+class Probe:
+    """Task t's analyses from the evaluation's own pass over the seen tasks' test images: each K/V
+    layer's interference ||X dW_t^T||_F^2 on the past tasks' inputs and the current task's, and
+    the current task's features. factors: per layer, the task's (A, B) before the merge."""
+
+    def __init__(self, factors, scale, current, device):
+        self.factors, self.scale, self.current = factors, scale, current  # current: (classes,)
+        self.energy = torch.zeros(2, len(factors), device=device)  # (past, current) x layers
+        self.tokens = torch.zeros(2, device=device)
+        self.z, self.y = [], []
+
+    def add(self, z, kv_inputs, y):
+        now = self.current[y]  # (B,) bool: a sample of the current task
+        for j, (A, B) in enumerate(self.factors):  # K and V of block j // 2 share its input
+            u = kv_inputs[j // 2].float() @ A.T  # (B, N, r)
+            e = self.scale ** 2 * ((u @ (B.T @ B)) * u).sum((1, 2))  # ||X dW^T||^2 per image
+            self.energy[:, j] += torch.stack([e[~now].sum(), e[now].sum()])
+        self.tokens += torch.stack([(~now).sum(), now.sum()]) * kv_inputs[0].shape[1]
+        self.z.append(z[now])
+        self.y.append(y[now])
+
+    def interference(self):
+        """Per layer: the RMS of x dW^T over past tokens, over current ones, and their ratio."""
+        past, now = (self.energy / self.tokens[:, None]).sqrt().tolist()
+        return {"past": past, "current": now, "ratio": [p / c if c > 0 else None
+                                                         for p, c in zip(past, now)]}
+
+
+def dml_geometry(z, y, prototypes, old, bins=20):
+    """For one task's test features z (n, D) of classes y: cos_old, the largest cosine to an old
+    class's prototype (classes < old), and cos_own, to its own class's (prototypes: one per class,
+    in class order); the shares the paper reads, and the histogram of cos_old over [-1, 1]."""
+    z = F.normalize(z.float(), dim=1)
+    cos_old = (z @ prototypes[:old].T).amax(1)  # (n,)
+    cos_own = (z * prototypes[y]).sum(1)
+    share = lambda mask: float(mask.float().mean())
+    return {"danger": share(cos_old > 0.5), "safe": share(cos_old < 0.2),
+            "closer_to_old": share(cos_old > cos_own),
+            "hist": (torch.histc(cos_old, bins, -1, 1) / len(z)).tolist(),
+            "cos_old": [round(v, 4) for v in cos_old.tolist()],
+            "cos_own": [round(v, 4) for v in cos_own.tolist()]}
+
+
+# ==================================================================================================
 # Configuration: one dataclass; each field is a flag, its help the meaning and source
 # ==================================================================================================
 def _opt(default, help, **kw):
@@ -330,6 +377,27 @@ METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
            "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
            "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
 GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); others 0.95, 1.0
+# --reproduce NAME: (what it reproduces, {row: its flags}); sweep values as read from the paper
+REPRODUCE = {
+    "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", {
+        "1": ["--no-oe", "--no-gr", "--no-dml"], "2": ["--no-oe", "--no-gr"],
+        "3": ["--no-gr", "--no-dml"], "4": ["--no-oe", "--no-dml"], "5": ["--no-dml"],
+        "6": ["--no-gr"], "7": []}),
+    "methods": ("Tables 2 and 3: the methods we implement", {
+        m: ["--method", m] for m in ("finetune", "lora-gpm", "inflora", "janus")}),
+    "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)", {
+        "gpm": ["--memory", "gpm", "--epochs", "1"], "oe": ["--epochs", "1"]}),
+    "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM", {
+        "lora-gpm": ["--method", "lora-gpm"], "lora-gpm-gr": ["--method", "lora-gpm-gr"]}),
+    "k": ("Fig. 4a: the rank k of the OE basis", {f"k{k}": ["--k", str(k)]
+                                                  for k in (25, 50, 75, 100)}),
+    "margin": ("Fig. 4b: the DML margin m", {f"m{m}": ["--margin", str(m)]
+                                               for m in (0.1, 0.2, 0.3, 0.4, 0.5)}),
+    "lambda": ("the appendix's figure: the DML weight lambda", {
+        f"l{v}": ["--lambda-dml", str(v)] for v in (0.5, 1.0, 1.5, 2.0)}),
+    "backbones": ("Table 4: Janus-LoRA on other pre-trainings", {
+        w: ["--weights", w] for w in ("in21k", "sam", "dino")}),
+}
 
 
 @dataclass
@@ -385,6 +453,12 @@ class Config:
     resume: str = _opt(None, "continue the run in this folder from its last finished task")
     benchmark: bool = _opt(False, "time plain LoRA and Janus steps, then exit", action="store_true")
     steps: int = _opt(20, "--benchmark: timed steps per variant (after 3 warm-up steps)")
+    reproduce: str = _opt(None, "run every row of a table or figure of the paper into OUT/<row>/, "
+                          "then write OUT/table.md (README, 'Reproducing')",
+                          choices=list(REPRODUCE))
+    row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
+    dry_run: bool = _opt(False, "with --reproduce: list the rows and their commands only",
+                         action="store_true")
 
 
 class ConfigError(Exception):
@@ -463,6 +537,11 @@ def check_config(cfg):
              "--gpm-threshold takes two numbers 0 < first <= last <= 1")
     _require(cfg.lora_a == "trained" or not cfg.gr,
              "--lora-a inflora freezes A, and GR needs a trainable A: add --no-gr")
+    _require(not cfg.reproduce or not (cfg.method or cfg.resume),
+             "--reproduce chooses its rows' methods and resumes them: drop --method and --resume")
+    rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
+    _require(cfg.row is None or cfg.row in rows, f"--row {cfg.row}: --reproduce {cfg.reproduce} "
+             f"has the rows {', '.join(rows) or 'of a table: add --reproduce NAME'}")
     _require(min(cfg.delta, cfg.oe_lr, cfg.oe_decay_steps, cfg.steps) > 0,
              "--delta, --oe-lr, --oe-decay-steps and --steps must be positive")
     _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device),
@@ -502,12 +581,17 @@ def lr_factor(epoch, epochs, schedule):
 
 
 @torch.no_grad()
-def features(model, loader, cfg):
+def features(model, loader, cfg, probe=None):
+    """(z (n, D), y (n,)) of the loader's images; a probe also sees each batch's K/V inputs."""
     zs, ys, device = [], [], torch.device(cfg.device)
     for images, y in loader:
+        images, y = images.to(device, non_blocking=True), y.to(device)
         with autocast(device, cfg):
-            zs.append(model(images.to(device, non_blocking=True)).float())
-        ys.append(y.to(device))
+            z, kv_inputs = model.encode(images) if probe else (model(images), None)
+        zs.append(z.float())
+        ys.append(y)
+        if probe:
+            probe.add(zs[-1], kv_inputs, y)
     return torch.cat(zs), torch.cat(ys)
 
 
@@ -519,13 +603,14 @@ def class_prototypes(z, y, classes):
 
 
 @torch.no_grad()
-def evaluate(model, heads, splits, tasks, cfg):
+def evaluate(model, heads, splits, tasks, cfg, probe=None):
     """Row t of the accuracy matrices, per seen task: task-agnostic (the paper: all seen heads, one
     argmax, no task id) and task-aware (ours: the true task's head only); and the accuracy over
     all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
     test = data.subset(splits.test, seen.tolist())
-    z, y = features(model, data.make_loader(test, cfg.batch_size, False, cfg.workers, 0), cfg)
+    loader = data.make_loader(test, cfg.batch_size, False, cfg.workers, 0)
+    z, y = features(model, loader, cfg, probe)
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
     for i, classes in enumerate(tasks[:len(heads)]):
         task_of[classes] = i
@@ -552,15 +637,21 @@ class Learner:
     sample_acc: list = field(default_factory=list)  # per row, over all seen test samples
     task_seconds: list = field(default_factory=list)
     violation: dict = field(default_factory=lambda: {"k": [], "v": []})  # per task, per block
+    interference: list = field(default_factory=list)  # per task: Probe.interference(), or None
+    geometry: list = field(default_factory=list)  # per task: dml_geometry(...), or None
+    throughput: list = field(default_factory=list)  # per task: images/s of each epoch
+
+    MEASURED = ("acc", "aware", "sample_acc", "task_seconds", "violation", "interference",
+                "geometry", "throughput")
 
     def snapshot(self, tasks):
         """The checkpoint's "current": all the next task needs, and the run's generator."""
         kv = {n: t for n, t in self.model.state_dict().items() if re.search(r"\.attn\.[kv]\.", n)}
         return {"seed": self.seed, "kv": kv, "subspace": self.subspace.state_dict(),
                 "memory": self.memory, "heads": self.heads.state_dict(),
-                "prototypes": self.prototypes, "acc": self.acc, "aware": self.aware,
-                "sample_acc": self.sample_acc, "task_seconds": self.task_seconds,
-                "violation": self.violation, "tasks": tasks, "rng": torch.get_rng_state()}
+                "prototypes": self.prototypes,
+                "tasks": tasks, "rng": torch.get_rng_state(),
+                **{key: getattr(self, key) for key in self.MEASURED}}
 
     def restore(self, state, tasks):
         device = self.prototypes.device
@@ -574,7 +665,7 @@ class Learner:
         self.heads.load_state_dict(state["heads"])
         self.heads.to(device)
         self.prototypes = to(state["prototypes"])
-        for key in ("acc", "aware", "sample_acc", "task_seconds", "violation"):
+        for key in self.MEASURED:
             setattr(self, key, state[key])
         torch.set_rng_state(state["rng"])
 
@@ -583,8 +674,7 @@ class Learner:
         pad = lambda rows: [row + [None] * (T - len(row)) for row in rows]
         return {"seed": self.seed, "acc_matrix": pad(self.acc), **metrics(self.acc),
                 "task_aware": {"acc_matrix": pad(self.aware), **metrics(self.aware)},
-                "sample_acc": self.sample_acc, "task_seconds": self.task_seconds,
-                "violation": self.violation}
+                **{key: getattr(self, key) for key in self.MEASURED if key not in ("acc", "aware")}}
 
 
 def start_learner(cfg, seed, base_model, tasks, resume=None):
@@ -645,6 +735,7 @@ def train_task(learner, t, classes, splits, cfg, clock, log=print):
     params = [p for p in model.lora_parameters() if p.requires_grad] + list(head.parameters())
     opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.999))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, cfg.epochs, cfg.schedule))
+    learner.throughput.append([])
     for epoch in range(cfg.epochs):
         e0, loss_sum, correct, seen = time.time(), 0.0, 0, 0
         for images, y in loader:
@@ -657,15 +748,17 @@ def train_task(learner, t, classes, splits, cfg, clock, log=print):
             raise FloatingPointError(
                 f"task {t + 1} epoch {epoch + 1}: the loss is {float(loss_sum)}; lower --lr and "
                 "start again (checkpoint.pt, if there is one, holds the tasks finished before)")
-        eta = clock.tick()
+        eta, speed = clock.tick(), seen / (time.time() - e0)
+        learner.throughput[-1].append(speed)
         log(f"task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss "
             f"{float(loss_sum) / seen:.4f}  train acc {100.0 * float(correct) / seen:5.2f}%  "
-            f"{seen / (time.time() - e0):7.1f} img/s  ETA {eta / 60:.1f} min")
+            f"{speed:7.1f} img/s  ETA {eta / 60:.1f} min")
 
 
 @torch.no_grad()
 def end_task(learner, t, tasks, splits, cfg):
-    """Task t's end: its violation, class prototypes, the memory's update, the LoRA merge."""
+    """Task t's end: its violation, class prototypes, the memory's update, the LoRA merge.
+    Returns the task's factors (A, B) per layer, from before the merge."""
     model, device = learner.model, learner.prototypes.device
     for name in ("k", "v"):
         learner.violation[name].append([violation(layer) for _, n, layer in model.lora_layers()
@@ -684,8 +777,11 @@ def end_task(learner, t, tasks, splits, cfg):
         learner.memory = [gpm_extend(M, C_i, gpm_threshold(cfg, t))
                           for M, C_i in zip(learner.memory, C)]
     set_memories(model, learner.memory)
+    factors = [(layer.A.detach().clone(), layer.B.detach().clone())
+               for _, _, layer in model.lora_layers()]
     for _, _, layer in model.lora_layers():
         layer.merge_()  # W += s B A, then a fresh pair with A off the new memory
+    return factors
 
 
 def run_seed(cfg, seed, base_model, splits, save, resume=None, log=print):
@@ -700,18 +796,28 @@ def run_seed(cfg, seed, base_model, splits, save, resume=None, log=print):
         t0 = time.time()  # a task's time: its training and its method's own passes, not the tests
         start_task(learner, t, tasks, splits, cfg)
         train_task(learner, t, tasks[t], splits, cfg, clock, log)
-        end_task(learner, t, tasks, splits, cfg)
+        factors = end_task(learner, t, tasks, splits, cfg)
         learner.task_seconds.append(time.time() - t0)
-        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg)
+        current = torch.zeros(splits.num_classes, dtype=torch.bool, device=cfg.device)
+        current[tasks[t]] = True
+        probe = Probe(factors, cfg.lora_scale, current, cfg.device) if t > 0 else None
+        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg, probe)
         learner.acc.append(acc)
         learner.aware.append(aware)
         learner.sample_acc.append(sample)
+        learner.interference.append(probe and probe.interference())
+        learner.geometry.append(probe and dml_geometry(torch.cat(probe.z), torch.cat(probe.y),
+                                                       learner.prototypes, tasks[t][0]))
         log(f"task {t + 1} accuracy per task: " + " ".join(f"{a:.2f}" for a in acc) +
             f"  | mean {sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
             f"{sum(aware) / len(aware):.2f}  | {learner.task_seconds[-1]:.1f} s")
         if t > 0 and cfg.oe:  # task 1 has no memory to violate
-            viol = {n: " ".join(f"{v:.3f}" for v in learner.violation[n][-1]) for n in "kv"}
+            viol = {n: " ".join(_fmt(v, ".3f") for v in learner.violation[n][-1]) for n in "kv"}
             log(f"task {t + 1} violation ||dW M||/||dW|| per block  K: {viol['k']}  V: {viol['v']}")
+        if t > 0:
+            g = learner.geometry[-1]
+            log(f"task {t + 1} DML geometry: cos_old > 0.5 {g['danger']:.3f}, < 0.2 "
+                f"{g['safe']:.3f}, cos_old > cos_own {g['closer_to_old']:.3f}")
         save(learner.snapshot(tasks))
     return learner.results(cfg.tasks)
 
@@ -736,36 +842,100 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _mean(values):
+    """The mean of the defined values (None: undefined, left out), or None."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _title(config):
+    c = config
+    return (f"{c['dataset']}, T={c['tasks']}, {c['method'] or 'custom'}: OE {c['oe']} "
+            f"({c['memory']}) GR {c['gr']} ({c['rectify']}) DML {c['dml']}")
+
+
+def plot_trajectory(plt, results, path):
+    """Paper Fig. 5: the mean accuracy over the seen tasks after each task, mean over seeds."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key, style, label in (("acc_matrix", "o-", "task-agnostic (the paper's metric)"),
+                              ("task_aware", "s--", "task-aware (ours: the true task's head)")):
+        curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(
+            r[key] if key == "acc_matrix" else r[key]["acc_matrix"])] for r in results["runs"]])
+        x = range(1, curves.shape[1] + 1)
+        ax.plot(x, curves.mean(0), style, label=label + f", mean of {len(curves)} seed(s)")
+        ax.fill_between(x, curves.min(0).values, curves.max(0).values, alpha=0.2)  # the spread
+    ax.set(xlabel="task", ylabel="mean accuracy on the seen tasks (%)", xticks=list(x),
+           title=_title(results["config"]))
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=8), fig.tight_layout(), fig.savefig(path, dpi=120)
+
+
+def plot_violation(plt, run, path):
+    """Paper Fig. 2 per block (from 1), mean over tasks 2..T: ||dW M|| / ||dW|| against the memory
+    and ||X_past dW^T|| / sqrt(n) on the past tasks' test inputs."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    past = {n: [[i["past"][2 * b + j] for b in range(len(i["past"]) // 2)]
+                for i in run["interference"] if i] for j, n in enumerate("kv")}
+    panels = ((axes[0], run["violation"], "||dW M|| / ||dW|| (against the memory)"),
+              (axes[1], past, "||X_past dW^T|| / sqrt(n) (past test inputs)"))
+    for ax, measure, ylabel in panels:
+        for off, name in ((-0.2, "k"), (0.2, "v")):
+            means = [_mean(col) for col in zip(*measure[name])]  # task 1's entries: None
+            if all(m is None for m in means):
+                continue
+            ax.bar([i + 1 + off for i in range(len(means))], [m or 0 for m in means], width=0.4,
+                   label=name.upper())
+        ax.set(xlabel="block", ylabel=ylabel, title="mean over tasks 2..T")
+        if ax.patches:
+            ax.legend()
+        else:  # no memory (OE off), or a single task: nothing is defined
+            ax.text(0.5, 0.5, "undefined: no memory or one task", ha="center",
+                    transform=ax.transAxes)
+    fig.tight_layout(), fig.savefig(path, dpi=120)
+
+
+def plot_angular(plt, run, path):
+    """Paper Fig. 3 and the appendix's density: the last task's samples, cos_old against cos_own,
+    and each task's density of cos_old (DML pushes it below the margin)."""
+    tasks = [(t + 1, g) for t, g in enumerate(run["geometry"]) if g]
+    if not tasks:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    t, g = tasks[-1]
+    left.scatter(g["cos_old"], g["cos_own"], s=6, alpha=0.5)
+    left.axvline(0.5, color="red", ls="--", label=f"danger zone > 0.5: {g['danger']:.3f}")
+    left.axvline(0.2, color="green", ls=":", label=f"safe < 0.2: {g['safe']:.3f}")
+    left.set(xlabel="cos_old: largest similarity to an old prototype",
+             ylabel="cos_own: similarity to its own prototype", xlim=(-0.2, 1), ylim=(-0.2, 1),
+             title=f"task {t}'s test samples; cos_old > cos_own: {g['closer_to_old']:.3f}")
+    left.legend(fontsize=8)
+    for t, g in tasks:
+        bins = torch.linspace(-1, 1, len(g["hist"]) + 1)
+        right.plot((bins[1:] + bins[:-1]) / 2, g["hist"], label=f"task {t}")
+    right.set(xlabel="cos_old", ylabel="share of the task's test samples", xlim=(-0.2, 1),
+              title="density of cos_old per task")
+    right.legend(fontsize=7), fig.tight_layout(), fig.savefig(path, dpi=120)
+    return True
+
+
 def plot(results, out):
+    """trajectory.png, violation.png, angular.png (the first seed's analyses), with matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no trajectory.png / violation.png (results.json has "
-              "the numbers)")
+        print("matplotlib is not installed: no plots (results.json has the numbers)")
         return
-    fig, ax = plt.subplots(figsize=(5, 3.5))  # paper Fig. 5: mean accuracy over the seen tasks
-    for r in results["runs"]:
-        for m, style, what in ((r["acc_matrix"], "o-", ""),
-                               (r["task_aware"]["acc_matrix"], "s--", ", task-aware")):
-            ax.plot(range(1, len(m) + 1), [sum(row[:t + 1]) / (t + 1) for t, row in enumerate(m)],
-                    style, label=f"seed {r['seed']}{what}")
-    ax.set(xlabel="task", ylabel="average accuracy on seen tasks (%)",
-           title=results["config"]["dataset"],
-           xticks=range(1, len(results["runs"][0]["acc_matrix"]) + 1))
-    ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(out, "trajectory.png"), dpi=120)
-    fig, ax = plt.subplots(figsize=(6, 3.5))  # paper Fig. 2: per-layer violation, tasks 2..T
-    viol = results["runs"][0]["violation"]
-    for off, name in ((-0.2, "k"), (0.2, "v")):
-        rows = viol[name][1:] or viol[name]
-        mean = [sum(col) / len(col) for col in zip(*rows)]
-        ax.bar([i + off for i in range(len(mean))], mean, width=0.4, label=name.upper())
-    ax.set(xlabel="block", ylabel="||dW M|| / ||dW||",
-           title="null-space violation (seed %d)" % results["runs"][0]["seed"])
-    ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
-    ax.legend(ncol=2, loc="upper right"), fig.tight_layout()
-    fig.savefig(os.path.join(out, "violation.png"), dpi=120)
+    plot_trajectory(plt, results, os.path.join(out, "trajectory.png"))
+    plot_violation(plt, results["runs"][0], os.path.join(out, "violation.png"))
+    if not plot_angular(plt, results["runs"][0], os.path.join(out, "angular.png")):
+        print("angular.png not drawn: one task has no old prototypes")
+    plt.close("all")
 
 
 def _bench_variant(cfg, base, change, m, C):
@@ -857,6 +1027,174 @@ def benchmark(cfg):
     return 0
 
 
+# ==================================================================================================
+# --reproduce: every row of a table or figure of the paper, one command, resumable
+# ==================================================================================================
+# The paper's numbers (mean of 5 seeds; ACC, MAA, BWT), quoted from its LaTeX source, by
+# (--reproduce NAME, data set, T): where they are, and per row. None: the paper gives no number.
+PAPER = {
+    ("ablation", "imagenet-r", 10): ("Table 1", {
+        "1": (64.24, 74.68, -21.85), "2": (64.47, 75.81, -24.16), "3": (71.82, 79.28, -10.13),
+        "4": (70.20, 78.80, -14.01), "5": (74.39, 80.47, -4.43), "6": (73.61, 80.68, -11.26),
+        "7": (75.78, 81.64, -6.05)}),
+    ("methods", "imagenet-r", 5): ("Table 2", {
+        "finetune": (69.75, 78.93, -17.65), "lora-gpm": (73.96, 81.16, -10.24),
+        "inflora": (76.31, 81.64, -6.17), "janus": (77.19, 82.52, -6.71)}),
+    ("methods", "imagenet-r", 10): ("Table 2", {
+        "finetune": (64.24, 74.68, -21.85), "lora-gpm": (71.56, 79.34, -10.95),
+        "inflora": (73.90, 80.01, -6.33), "janus": (75.78, 81.64, -6.05)}),
+    ("methods", "imagenet-r", 20): ("Table 2", {
+        "finetune": (57.62, 69.86, -25.43), "lora-gpm": (64.06, 73.91, -14.56),
+        "inflora": (68.91, 76.24, -7.74), "janus": (71.57, 77.11, -5.77)}),
+    ("methods", "cifar100", 10): ("Table 3", {
+        "finetune": (83.53, 90.18, -11.47), "lora-gpm": (86.01, 91.31, -5.56),
+        "inflora": (86.69, 91.61, -4.61), "janus": (88.68, 92.58, -5.29)}),
+    ("methods", "imagenet100", 10): ("Table 3", {
+        "finetune": (89.10, 92.95, -6.80), "lora-gpm": (91.53, 94.00, -3.58),
+        "inflora": (91.84, 93.94, -2.37), "janus": (92.47, 94.32, -3.24)}),
+    ("methods", "domainnet", 5): ("Table 3", {
+        "finetune": (69.34, 74.83, -5.14), "lora-gpm": (69.24, 74.84, -5.55),
+        "inflora": (72.94, 78.98, -7.38), "janus": (73.82, 79.67, -7.74)}),
+    ("oe-vs-gpm", "imagenet-r", 10): ("Table 5", {"gpm": (38.79, 42.48, -5.36),
+                                                  "oe": (40.90, 45.93, -5.98)}),
+    ("oe-vs-gpm", "cifar100", 10): ("Table 5", {"gpm": (74.84, 83.30, -7.70),
+                                                "oe": (77.31, 84.83, -6.27)}),
+    ("gr-plugin", "imagenet-r", 10): ("Fig. 6, as printed on the figure", {
+        "lora-gpm": (71.89, 79.82, -11.48), "lora-gpm-gr": (74.14, 80.12, -4.55)}),
+    ("backbones", "imagenet-r", 10): ("Tables 2 and 4", {
+        "in21k": (75.78, 81.64, -6.05), "sam": (70.22, 77.90, -6.47),
+        "dino": (68.20, 76.15, -5.73)}),
+    ("k", "imagenet-r", 10): ("Sec. 4.2's text", {"k25": (None, None, -7.41),
+                                                  "k100": (None, None, -4.14)}),
+    ("lambda", "imagenet-r", 10): ("the appendix's text", {"l0.5": (None, None, -5.50),
+                                                           "l2.0": (None, None, -6.62)}),
+}
+
+
+def to_argv(cfg, skip=("reproduce", "row", "dry_run", "out", "resume", "method")):
+    """The flags that give cfg again: every field that differs from its default."""
+    argv = []
+    for f in fields(Config):
+        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if f.name in skip or value == f.default or (isinstance(value, list) and
+                                                    tuple(value) == f.default):
+            continue
+        if f.type is bool:
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def reproduce(cfg, given):
+    """Each row into OUT/<row>/, with the flags given and the row's: a finished row is skipped, an
+    interrupted one resumed; then the table of whichever rows have finished."""
+    what, rows = REPRODUCE[cfg.reproduce]
+    out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
+    print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows into {out}")
+    for row in [cfg.row] if cfg.row else rows:
+        folder = os.path.join(out, row)
+        if not cfg.dry_run and set(cfg.seeds) <= {r["seed"] for r in _row_runs(folder)}:
+            print(f"{row}: finished before, skipped")
+            continue
+        interrupted = os.path.exists(os.path.join(folder, "checkpoint.pt"))  # continues from there
+        argv = given + rows[row] + ["--resume" if interrupted else "--out", folder]
+        print(f"{row}: python janus_min.py {' '.join(argv)}")
+        if cfg.dry_run:
+            continue
+        code = main(argv)
+        if code:
+            return code
+    return 0 if cfg.dry_run else write_table(cfg, out, rows)
+
+
+def _row_runs(folder):
+    """The finished seeds' runs of a row, from its results.json; none if it has none."""
+    try:
+        with open(os.path.join(folder, "results.json")) as f:
+            return json.load(f)["runs"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def _row_summary(runs):
+    """A row of table.json: the paper's metrics, ours beside them, time, violation, DML shares."""
+    s = summarize(runs)
+    stat = lambda key: [s[key]["mean"], s[key]["std"]]
+    per_run = lambda f: _mean([f(r) for r in runs])
+    return {"ACC": stat("ACC"), "MAA": stat("MAA"), "BWT": stat("BWT"),
+            "sample_ACC": stat("sample_ACC"), "aware_ACC": [s["task_aware"]["ACC"]["mean"]],
+            "aware_BWT": [s["task_aware"]["BWT"]["mean"]],
+            "violation": per_run(lambda r: _mean(sum(r["violation"]["k"] + r["violation"]["v"],
+                                                     []))),
+            "interference": per_run(lambda r: _mean(sum([i["past"] for i in r["interference"] if i],
+                                                        []))),
+            "danger": per_run(lambda r: _mean([g["danger"] for g in r["geometry"] if g])),
+            "seconds_per_task": per_run(lambda r: _mean(r["task_seconds"]))}
+
+
+def write_table(cfg, out, rows):
+    """table.json and table.md: each finished row's numbers beside the paper's; time.png."""
+    source, paper = PAPER.get((cfg.reproduce, cfg.dataset, cfg.tasks), (None, {}))
+    table = {"reproduce": cfg.reproduce, "what": REPRODUCE[cfg.reproduce][0],
+             "dataset": cfg.dataset, "tasks": cfg.tasks, "paper_source": source, "rows": {},
+             "missing": []}
+    for row, flags in rows.items():
+        runs = _row_runs(os.path.join(out, row))
+        if not runs:
+            table["missing"].append(row)
+            continue
+        table["rows"][row] = {"flags": " ".join(flags), "seeds": len(runs), **_row_summary(runs),
+                              "paper": dict(zip(("ACC", "MAA", "BWT"), paper.get(row, ())))}
+    write_json(os.path.join(out, "table.json"), table)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(_table_md(table))
+    plot_time(table, out)
+    print(_table_md(table) + f"wrote {os.path.join(out, 'table.md')} and table.json")
+    return 0
+
+
+def _table_md(table):
+    pm = lambda v: f"{v[0]:.2f} ± {v[1]:.2f}"
+    source = table["paper_source"] or "none for this data set and T"
+    paper = f"the paper's ACC / MAA / BWT ({source})"
+    lines = [f"# --reproduce {table['reproduce']}: {table['what']}",
+             f"{table['dataset']}, T = {table['tasks']}; ours: mean ± std over seeds.", "",
+             f"| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
+             f"task-aware BWT | violation | interference | danger share | s / task | {paper} |",
+             "|" + "---|" * 14]
+    for row, r in table["rows"].items():
+        quoted = " / ".join(_fmt(r["paper"].get(k), ".2f") for k in ("ACC", "MAA", "BWT"))
+        lines.append(f"| {row} | `{r['flags']}` | {r['seeds']} | {pm(r['ACC'])} | {pm(r['MAA'])} | "
+                     f"{pm(r['BWT'])} | {pm(r['sample_ACC'])} | {r['aware_ACC'][0]:.2f} | "
+                     f"{r['aware_BWT'][0]:.2f} | {_fmt(r['violation'], '.2e')} | "
+                     f"{_fmt(r['interference'], '.3f')} | {_fmt(r['danger'], '.3f')} | "
+                     f"{r['seconds_per_task']:.1f} | {quoted if r['paper'] else '-'} |")
+    if table["missing"]:
+        lines += ["", f"Not finished yet: {', '.join(table['missing'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_time(table, out):
+    """time.png (the appendix's efficiency figures): per-task and cumulative time per row."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for row in table["rows"]:
+        seconds = torch.tensor([r["task_seconds"] for r in _row_runs(os.path.join(out, row))])
+        x = range(1, seconds.shape[1] + 1)
+        left.plot(x, seconds.mean(0), "o-", label=row)
+        right.plot(x, seconds.mean(0).cumsum(0), "o-", label=row)
+    left.set(xlabel="task", ylabel="seconds (mean over seeds)", title="time per task")
+    right.set(xlabel="task", ylabel="seconds", title="cumulative time")
+    left.legend(fontsize=8), fig.tight_layout(), fig.savefig(os.path.join(out, "time.png"), dpi=120)
+    plt.close(fig)
+
+
 RESUME_FREE = ("out", "resume", "device", "workers")  # flags that may differ on --resume
 CHECKPOINT_FORMAT = 3  # raised whenever checkpoint.pt's content changes: old files are refused
 
@@ -922,10 +1260,13 @@ def print_summary(results):
 
 def main(argv=None):
     cfg = parse_args(argv)
+    given = to_argv(cfg)  # the flags as given, before the data set's defaults fill the rest
     try:
         cfg = check_config(cfg)
         if cfg.benchmark:
             return benchmark(cfg)
+        if cfg.reproduce:
+            return reproduce(cfg, given)
         ckpt, out, splits, base_model = prepare(cfg)
     except (ConfigError, vit.CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -971,7 +971,7 @@ def test_violation_is_the_dense_relative_violation():
     expected = float((dW @ layer.memory).norm() / dW.norm())
     assert expected > 0.1 and abs(jm.violation(layer) - expected) < 1e-5 * expected
     layer.memory = torch.zeros(24, 0)
-    assert jm.violation(layer) == 0.0
+    assert jm.violation(layer) is None  # undefined: no memory yet
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1102,7 +1102,7 @@ def test_train_step_never_syncs_with_the_host_on_cuda(variant):
 
 def test_compiled_blocks_give_the_same_step(monkeypatch):
     """--compile (torch.compile of each block) gives the steps of the plain model. Traced here by
-    TorchDynamo with the eager backend: CI can afford it, and tracing is where a block could fail."""
+    TorchDynamo with the eager backend: CI can afford it, and tracing is where blocks can fail."""
     real = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: real(self, backend="eager"))
     losses = []
@@ -1112,6 +1112,66 @@ def test_compiled_blocks_give_the_same_step(monkeypatch):
         losses.append([float(step(images, y)[0]) for _ in range(3)])
     assert torch._dynamo.utils.counters["frames"]["ok"] >= 1  # the blocks were traced
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_interference_on_activations_equals_the_dense_computation():
+    """Probe, fed by the evaluation pass: per layer, ||X dW^T||_F / sqrt(tokens) over the past
+    tasks' test inputs and over the current task's, with X the block's K/V input and dW = s B A."""
+    torch.manual_seed(9)
+    model = vit.vit_tiny_patch16(depth=2, img_size=32, patch_size=8).eval()
+    factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
+    images, y = torch.rand(10, 3, 32, 32), torch.tensor([0, 1, 2, 3, 4] * 2)
+    current = torch.tensor([False, False, False, True, True])  # classes 3, 4: the current task
+    probe = jm.Probe(factors, 0.5, current, "cpu")
+    test = data._Images(list((images * 255).to(torch.uint8)), y.tolist(), lambda x: x)
+    jm.features(model, data.make_loader(test, 4, False, 0, 0), jm.Config(device="cpu"), probe)
+    with torch.no_grad():
+        kv = model.encode((images * 255).to(torch.uint8).float() / 255)[1]
+    got = probe.interference()
+    for j, (A, B) in enumerate(factors):
+        dW = 0.5 * B @ A  # dense, (d_out, d_in)
+        for key, rows in (("past", ~current[y]), ("current", current[y])):
+            X = kv[j // 2][rows].flatten(0, 1)  # (tokens, D)
+            assert got[key][j] == pytest.approx(float((X @ dW.T).norm() / X.shape[0] ** 0.5),
+                                                rel=1e-4)
+        assert got["ratio"][j] == pytest.approx(got["past"][j] / got["current"][j])
+
+
+def test_interference_is_round_off_when_the_update_is_off_a_memory_spanning_the_past():
+    """With --rectify update, dW M = 0; past inputs inside span(M) then see only round-off, and
+    those with a part outside see ||X (I - M M^T) dW^T||, which the memory cannot prevent."""
+    torch.manual_seed(10)
+    d, k = 24, 6
+    M = orthonormal(d, k, dtype=torch.float32)
+    layer = vit.LoRALinear(d, 12, 3, 1.0)
+    layer.memory = M
+    layer.reset_lora_()
+    X2 = torch.randn(512, d)
+    _fit(layer, X2, X2 @ torch.randn(12, d).T, 100, gr="update")
+    X_in = torch.randn(64, k) @ M.T  # past inputs inside span(M)
+    outside = 0.3 * jm.safe_gradient(torch.randn(64, d), M)  # a part the memory misses
+    dW = (layer.B @ layer.A).detach()
+    for X, expected in ((X_in, 0.0), (X_in + outside, float((outside @ dW.T).norm() / 8))):
+        probe = jm.Probe([(layer.A.detach(), layer.B.detach())], 1.0, torch.tensor([False]), "cpu")
+        probe.add(torch.zeros(1, 12), [X[None]], torch.tensor([0]))  # one "image" of 64 tokens
+        past = probe.interference()["past"][0]
+        assert past == pytest.approx(expected, abs=1e-5 * float(dW.norm() * X.norm() / 8))
+
+
+def test_dml_geometry_on_a_hand_built_case():
+    """cos_old: the largest similarity to an old class's prototype; cos_own: to its own; the shares
+    above 0.5, below 0.2 and of cos_old > cos_own; the histogram of cos_old."""
+    prototypes = torch.eye(3)  # classes 0 and 1 are old; class 2 is the task's
+    cos_old = torch.tensor([0.62, 0.15, 0.93])
+    z = torch.stack([cos_old, torch.zeros(3), (1 - cos_old ** 2).sqrt()], 1) * 3.0  # any norm
+    g = jm.dml_geometry(z, torch.tensor([2, 2, 2]), prototypes, old=2)
+    assert g["cos_old"] == pytest.approx([0.62, 0.15, 0.93], abs=1e-4)
+    assert g["cos_own"] == pytest.approx([0.7846, 0.9887, 0.3676], abs=1e-4)
+    assert (g["danger"], g["safe"], g["closer_to_old"]) == pytest.approx((2 / 3, 1 / 3, 1 / 3))
+    expected = [0.0] * 20
+    for c in (0.62, 0.15, 0.93):  # bins of 0.1 over [-1, 1]
+        expected[int((c + 1) / 0.1)] += 1 / 3
+    assert g["hist"] == pytest.approx(expected)
 
 
 def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4):
@@ -1207,11 +1267,12 @@ def tiny_run(tmp_path_factory):
         return real_step(model, head, opt, *args)
 
     def end_task(learner, t, *args):
-        real_end(learner, t, *args)
+        factors = real_end(learner, t, *args)
         seen["holds"].append([layer.memory is learner.memory[i]
                               and layer.memory.shape[1] == 8 * (t + 1)
                               and torch.equal(layer.memory, learner.subspace.memory[i])
                               for i, _, layer in learner.model.lora_layers()])
+        return factors
 
     def violation(layer):
         seen["widths"].append(layer.memory.shape[1])
@@ -1239,7 +1300,7 @@ def test_end_to_end_results_are_consistent(tiny_run):
     assert all(aware["acc_matrix"][t][i] >= A[t][i] for t in range(3) for i in range(t + 1))
     assert aware["acc_matrix"][0][0] == A[0][0]
     assert [len(v) for v in r["violation"]["k"]] == [12, 12, 12] and len(r["violation"]["v"]) == 3
-    assert all(v == 0 for v in r["violation"]["k"][0])  # task 1: no memory yet
+    assert all(v is None for v in r["violation"]["k"][0])  # task 1: no memory yet, undefined
     assert len(r["task_seconds"]) == 3 and (tiny_run["out"] / "checkpoint.pt").exists()
     assert all(s in tiny_run["log"] for s in ("task 3/3 epoch 2/2", "img/s", "ETA", "ACC"))
 
@@ -1282,8 +1343,9 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
             designed = seen["designed"][-len(layers) // 2:]  # one per block
             assert all(torch.equal(layer.A, designed[i // 2]) for i, layer in enumerate(layers))
             assert all(float((layer.A @ layer.memory).norm()) < 1e-5 for layer in layers)
-        real_end(learner, t, *args)
+        factors = real_end(learner, t, *args)
         seen["widths"].append([m.shape[1] for m in learner.memory])
+        return factors
     monkeypatch.setattr(jm, "end_task", end_task)
     argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1") + ["--method", method]
     assert jm.main(argv + ["--out", str(tmp_path)]) == 0
@@ -1301,13 +1363,10 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
         assert widths == [[0] * 12, [0] * 12]
 
 
-def test_plots_when_matplotlib_is_installed(tmp_path):
+def test_plots_when_matplotlib_is_installed(tiny_run, tmp_path):
     pytest.importorskip("matplotlib")  # optional: without it a one-line note instead
-    run = {"seed": 0, "acc_matrix": [[90.0, None], [80.0, 70.0]],
-           "task_aware": {"acc_matrix": [[90.0, None], [85.0, 75.0]]},
-           "violation": {"k": [[0.0, 0.0], [0.1, 0.2]], "v": [[0.0, 0.0], [0.3, 0.1]]}}
-    jm.plot({"config": {"dataset": "synthetic"}, "runs": [run]}, str(tmp_path))
-    for name in ("trajectory.png", "violation.png"):
+    jm.plot(tiny_run["res"], str(tmp_path))
+    for name in ("trajectory.png", "violation.png", "angular.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -1340,6 +1399,40 @@ def test_resume_of_a_finished_run_and_of_the_default_seeds(tiny_run, tmp_path, c
     assert after["runs"] == tiny_run["res"]["runs"]
     assert after["summary"] == tiny_run["res"]["summary"]
     assert "ACC" in capsys.readouterr().out
+
+
+def test_reproduce_dry_run_lists_the_ablations_seven_rows(capsys):
+    argv = ["--reproduce", "ablation", "--dataset", "imagenet-r", "--dry-run", "--out", "R"]
+    assert jm.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
+    flags = {"1": "--no-oe --no-gr --no-dml", "2": "--no-oe --no-gr", "3": "--no-gr --no-dml",
+             "4": "--no-oe --no-dml", "5": "--no-dml", "6": "--no-gr", "7": ""}
+    assert [r.split(":")[0] for r in rows] == list(flags)
+    for row, line in zip(flags, rows):
+        assert line.endswith(f"--dataset imagenet-r {flags[row]} --out R/{row}".replace("  ", " "))
+
+
+def test_reproduce_resumes_and_writes_the_table(tmp_path, monkeypatch, capsys):
+    """Interrupted during its second row, --reproduce skips the finished first row when started
+    again, continues the second, and writes table.md from both."""
+    argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1") + [
+        "--reproduce", "gr-plugin", "--out", str(tmp_path)]
+    calls, real = [], jm.run_seed
+
+    def run_seed(cfg, *args, **kw):
+        calls.append(cfg.gr)
+        if len(calls) == 2:  # Ctrl-C in the second row
+            raise KeyboardInterrupt
+        return real(cfg, *args, **kw)
+    monkeypatch.setattr(jm, "run_seed", run_seed)
+    assert jm.main(argv) == 130 and not (tmp_path / "table.md").exists()
+    assert jm.main(argv) == 0
+    assert calls == [False, True, True]  # lora-gpm once; lora-gpm-gr interrupted, then run
+    assert "lora-gpm: finished before, skipped" in capsys.readouterr().out
+    table = (tmp_path / "table.md").read_text()
+    assert "| lora-gpm | `--method lora-gpm` | 1 |" in table and "| lora-gpm-gr |" in table
+    assert set(json.loads((tmp_path / "table.json").read_text())["rows"]) == {"lora-gpm",
+                                                                              "lora-gpm-gr"}
 
 
 @pytest.fixture(scope="module")
