@@ -267,7 +267,10 @@ class Config:
                             choices=["unit", "checkpoint", "half", "imagenet"])
     seeds: list = _opt((0,), "seeds; several give mean +- std (paper: 5)", nargs="+", type=int)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
-    workers: int = _opt(min(8, os.cpu_count() or 1), "loader workers (default: the cores, <= 8)")
+    # the cores this process may use (os.sched_getaffinity: not on every system)
+    workers: int = _opt(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else os.cpu_count() or 1, "loader workers of the file-based data sets "
+                        "(default: the cores available)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class")
     out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
     resume: str = _opt(None, "continue the run in this folder from its last finished task")
@@ -392,7 +395,8 @@ def evaluate(model, heads, splits, tasks, cfg, device):
     argmax, no task id) and task-aware (ours: argmax over the true task's head only)."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=device)
     test = data.subset(splits.test, seen.tolist())
-    z, y = features(model, data.make_loader(test, cfg.batch_size, False, cfg.workers, 0), device)
+    loader = data.make_loader(test, cfg.batch_size, False, cfg.workers, 0, device)
+    z, y = features(model, loader, device)
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=device)
     for i, classes in enumerate(tasks[:len(heads)]):
         task_of[classes] = i
@@ -486,7 +490,7 @@ def train_task(learner, t, classes, splits, cfg, clock, log=print):
     local = torch.full((splits.num_classes,), -1, dtype=torch.long, device=device)
     local[classes] = torch.arange(len(classes), device=device)  # global class id -> index in head
     loader = data.make_loader(data.subset(splits.train, classes), cfg.batch_size, True, cfg.workers,
-                              learner.seed * 1000 + t)
+                              learner.seed * 1000 + t, device)
     opt = torch.optim.Adam(model.lora_parameters() + list(head.parameters()), lr=cfg.lr,
                            betas=(0.9, 0.999))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs)
@@ -516,7 +520,7 @@ def end_task(learner, t, tasks, splits, cfg):
         learner.violation[name].append([violation(layer) for _, n, layer in model.lora_layers()
                                         if n == name])
     loader = data.make_loader(data.subset(splits.train_eval, tasks[t]), cfg.batch_size, False,
-                              cfg.workers, 0)
+                              cfg.workers, 0, device)
     new = class_prototypes(*features(model, loader, device), tasks[t])
     learner.prototypes = torch.cat([learner.prototypes, new])
     if cfg.oe:
@@ -631,11 +635,16 @@ def _time_loader(cfg):
     except data.DataError as e:
         print(f"data loader not timed: {e}")
         return None
-    loader = data.make_loader(splits.train, cfg.batch_size, True, cfg.workers, 0)
+    device = torch.device(cfg.device)
+    loader = data.make_loader(splits.train, cfg.batch_size, True, cfg.workers, 0, device)
     batches, t0 = iter(loader), time.perf_counter()
     speed = sum(len(next(batches)[1]) for _ in range(min(cfg.steps, len(loader))))
+    if device.type == "cuda":  # the device pipeline's kernels run asynchronously: wait for them
+        torch.cuda.synchronize(device)
     speed /= time.perf_counter() - t0
-    print(f"data loader alone ({cfg.dataset}, {cfg.workers} workers): {speed:.1f} images/s")
+    kind = (f"batched on {device}" if isinstance(loader, data.DeviceLoader)
+            else f"{cfg.workers} workers")
+    print(f"data loader alone ({cfg.dataset}, {kind}): {speed:.1f} images/s")
     return speed
 
 
