@@ -54,10 +54,12 @@ Splits = namedtuple('Splits', 'train train_eval test num_classes class_names')
 
 
 class _Images(Dataset):
-    """source[i]: a path, a uint8 array (H, W) or (H, W, 3), or a uint8 tensor (3, H, W)."""
+    """source[i]: a path, a uint8 array (H, W) or (H, W, 3), or a uint8 tensor (3, H, W);
+    batched: the same transform as a `Batched` for the device pipeline, None for file-based sets."""
 
-    def __init__(self, source, targets, transform):
+    def __init__(self, source, targets, transform, batched=None):
         self.source, self.targets, self.transform = source, list(targets), transform
+        self.batched = batched
 
     def __len__(self):
         return len(self.targets)
@@ -296,6 +298,15 @@ def _transforms(name, img_size, mean, std):
     return T.Compose(train + [T.RandomHorizontalFlip()] + tail), T.Compose(test + tail)
 
 
+def _batched(name, img_size, mean, std):
+    """(train, test) of _transforms as `Batched` specs for an in-memory set; (None, None) else."""
+    if name not in ('cifar100', 'fashion-mnist', 'synthetic'):
+        return None, None
+    augment = name != 'synthetic'
+    return (Batched(img_size, name == 'cifar100', augment, mean, std),
+            Batched(img_size, False, False, mean, std))
+
+
 def _thin(source, targets, limit, seed):
     """The first `limit` images of each class after a seeded shuffle, in the data set's order."""
     kept, count = [], {}
@@ -327,8 +338,10 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
     if limit_per_class is not None:
         train, train_y = _thin(train, train_y, limit_per_class, seed)
     train_tf, test_tf = _transforms(name, img_size, mean, std)
-    return Splits(_Images(train, train_y, train_tf), _Images(train, train_y, test_tf),
-                  _Images(test, test_y, test_tf), len(names), list(names))
+    train_b, test_b = _batched(name, img_size, mean, std)
+    return Splits(_Images(train, train_y, train_tf, train_b),
+                  _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),
+                  len(names), list(names))
 
 
 def task_classes(num_classes, tasks):
@@ -382,9 +395,101 @@ class _Seeded(Dataset):
             return self.ds[i]
 
 
-def make_loader(ds, batch_size, train, workers, seed):
-    """DataLoader over ds (shuffled when train) whose batches and augmentations come from seed."""
+def make_loader(ds, batch_size, train, workers, seed, device=None):
+    """Batches of ds (shuffled when train) whose order and augmentations come from seed alone: an
+    in-memory set's made on device (default the CPU) by DeviceLoader, a file-based set's by a
+    DataLoader with `workers` processes."""
+    # the CPU too: batched there, CIFAR-100 at 224 px, batch 128, gave ~3,600 images/s on 2 threads
+    # (~1,950 on 1) against ~1,000 from PIL in 2 workers
+    if getattr(ds.dataset if isinstance(ds, Subset) else ds, 'batched', None) is not None:
+        return DeviceLoader(ds, batch_size, train, seed, torch.device(device or 'cpu'))
     sampler = _SeededSampler(len(ds), train, seed)
     return DataLoader(_Seeded(ds), batch_size=batch_size, sampler=sampler, num_workers=workers,
                       pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
                       generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
+
+
+# ---- The device-resident pipeline (in-memory sets): the uint8 images live on the device, where a
+# batch is indexed, normalised, cropped, flipped and resized; the draws are made on the CPU.
+# A spec: a random crop as torchvision's RandomResizedCrop (crop), a horizontal flip with p = 1/2
+# (flip), the bilinear resize to size x size, the normalisation with (mean, std).
+Batched = namedtuple('Batched', 'size crop flip mean std')
+
+
+def crop_boxes(gen, n, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), attempts=10):
+    """(n, 4) int64 boxes (top, left, h, w) from gen, each drawn as torchvision's
+    RandomResizedCrop.get_params draws one: the first of 10 attempts that fits, else the centre."""
+    area = torch.empty(n, attempts, dtype=torch.float64).uniform_(*scale, generator=gen)
+    area *= height * width  # (n, attempts) in pixels
+    log_ratio = torch.tensor(ratio, dtype=torch.float64).log().tolist()
+    aspect = torch.empty_like(area).uniform_(*log_ratio, generator=gen).exp()  # (n, attempts)
+    w, h = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()  # half to even, as round
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)  # (n, attempts)
+    first = fits.int().argmax(1, keepdim=True)  # (n, 1): the first attempt that fits, or 0
+    found = fits.any(1)  # (n,); where none fits: the centre crop, its ratio clamped to the range
+    r = min(max(width / height, ratio[0]), ratio[1])
+    w = torch.where(found, w.gather(1, first)[:, 0].long(), min(width, round(height * r)))
+    h = torch.where(found, h.gather(1, first)[:, 0].long(), min(height, round(width / r)))
+    # offsets uniform in 0..H-h and 0..W-w: a 62-bit draw modulo the count (bias below 2^-40)
+    room = torch.stack([height - h, width - w], 1) + 1  # (n, 2)
+    offsets = torch.randint(2**62, (n, 2), generator=gen) % room
+    offsets = torch.where(found[:, None], offsets, (room - 1) // 2)
+    return torch.cat([offsets, h[:, None], w[:, None]], 1)
+
+
+def _weights(start, length, size, out):
+    """(B, out, size): torch's antialiased bilinear resize of each window [start, start + length)
+    of `size` pixels to `out` pixels, as rows of weights (a triangle, widened to downsample)."""
+    scale = (length / out)[:, None, None]  # (B, 1, 1) input pixels per output pixel
+    centre = start[:, None, None] + scale * (torch.arange(out, device=start.device) + 0.5)[:, None]
+    x = torch.arange(size, device=start.device) + 0.5  # (size,) input pixel centres
+    w = (1 - (x - centre).abs() / scale.clamp(min=1)).clamp(min=0)  # (B, out, size)
+    w = w * ((x > start[:, None, None]) & (x < (start + length)[:, None, None]))  # in the window
+    return w / w.sum(2, keepdim=True)
+
+
+def resized_crops(x, boxes, size, flips):
+    """(B, C, size, size): each x[b] (C, H, W) float cropped to boxes[b] (top, left, h, w),
+    resized as torchvision's resized_crop (bilinear, antialias), and mirrored where flips[b]."""
+    top, left, h, w = boxes.T.float()  # (B,) each
+    rows = _weights(top, h, x.shape[2], size)  # (B, size, H)
+    cols = _weights(left, w, x.shape[3], size)  # (B, size, W)
+    cols = torch.where(flips[:, None, None], cols.flip(1), cols)  # a flip reverses output columns
+    return rows[:, None] @ x @ cols[:, None].transpose(2, 3)
+
+
+class DeviceLoader:
+    """len() batches of (images (B, 3, S, S) float32, labels (B,) int64) on device; one CPU
+    generator draws each epoch's order (when train), crops and flips, epoch after epoch."""
+
+    def __init__(self, ds, batch_size, train, seed, device):
+        base, idx = (ds.dataset, ds.indices) if isinstance(ds, Subset) else (ds, slice(None))
+        src = base.source[idx]  # indexed once, moved to the device once
+        if not torch.is_tensor(src):  # uint8 (N, H, W) grey or (N, H, W, 3) -> (N, C, H, W)
+            src = torch.tensor(src).reshape(*src.shape[:3], -1).permute(0, 3, 1, 2)  # a copy
+        self.images = src.contiguous().to(device)  # (N, C, H, W) uint8, C = 1 or 3
+        self.labels = torch.tensor(ds.targets, device=device)  # (N,)
+        self.spec, self.batch_size, self.train = base.batched, batch_size, train
+        self.gen, self.device = torch.Generator().manual_seed(seed), device
+        self.mean, self.std = (torch.tensor(v, device=device).view(-1, 1, 1)
+                               for v in (self.spec.mean, self.spec.std))
+
+    def __len__(self):
+        return -(-len(self.labels) // self.batch_size)
+
+    def __iter__(self):
+        """One epoch, all its draws made now, however many of its batches are taken."""
+        n, (height, width) = len(self.labels), self.images.shape[2:]
+        order = torch.randperm(n, generator=self.gen) if self.train else torch.arange(n)
+        boxes = (crop_boxes(self.gen, n, height, width) if self.spec.crop
+                 else torch.tensor([0, 0, height, width]).expand(n, 4))  # (n, 4)
+        flips = (torch.rand(n, generator=self.gen) < 0.5 if self.spec.flip
+                 else torch.zeros(n, dtype=torch.bool))  # (n,)
+        parts = (t.to(self.device).split(self.batch_size) for t in (order, boxes, flips))
+        return (self._batch(*part) for part in zip(*parts))
+
+    def _batch(self, idx, boxes, flips):
+        # normalised first: the resize is linear with rows that sum to 1, so this equals
+        # torchvision's order, on the small images (and grey broadcasts to 3 channels here)
+        x = (self.images[idx].float() / 255 - self.mean) / self.std  # (B, 3, H, W)
+        return resized_crops(x, boxes, self.spec.size, flips), self.labels[idx]

@@ -447,7 +447,10 @@ class Config:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     compile: bool = _opt(False, "torch.compile each ViT block (off until it measures faster)",
                          action="store_true")
-    workers: int = _opt(min(8, os.cpu_count() or 1), "loader workers (default: the cores, <= 8)")
+    # the cores this process may use (os.sched_getaffinity: not on every system)
+    workers: int = _opt(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else os.cpu_count() or 1, "loader workers of the file-based data sets "
+                        "(default: the cores available)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class")
     out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
     resume: str = _opt(None, "continue the run in this folder from its last finished task")
@@ -609,7 +612,7 @@ def evaluate(model, heads, splits, tasks, cfg, probe=None):
     all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
     test = data.subset(splits.test, seen.tolist())
-    loader = data.make_loader(test, cfg.batch_size, False, cfg.workers, 0)
+    loader = data.make_loader(test, cfg.batch_size, False, cfg.workers, 0, cfg.device)
     z, y = features(model, loader, cfg, probe)
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
     for i, classes in enumerate(tasks[:len(heads)]):
@@ -717,7 +720,7 @@ def start_task(learner, t, tasks, splits, cfg):
     if cfg.lora_a != "inflora":
         return
     loader = data.make_loader(data.subset(splits.train_eval, tasks[t]), cfg.batch_size, False,
-                              cfg.workers, 0)
+                              cfg.workers, 0, device)
     C = kv_covariance(model, loader, cfg)  # (L, D, D)
     A = [inflora_a(C_i, M, cfg.rank) for C_i, M in zip(C, learner.memory)]  # K, V share an A
     with torch.no_grad():
@@ -731,7 +734,7 @@ def train_task(learner, t, classes, splits, cfg, clock, log=print):
     local = torch.full((splits.num_classes,), -1, dtype=torch.long, device=device)
     local[classes] = torch.arange(len(classes), device=device)  # global class id -> index in head
     loader = data.make_loader(data.subset(splits.train, classes), cfg.batch_size, True, cfg.workers,
-                              learner.seed * 1000 + t)
+                              learner.seed * 1000 + t, device)
     params = [p for p in model.lora_parameters() if p.requires_grad] + list(head.parameters())
     opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.999))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, cfg.epochs, cfg.schedule))
@@ -764,7 +767,7 @@ def end_task(learner, t, tasks, splits, cfg):
         learner.violation[name].append([violation(layer) for _, n, layer in model.lora_layers()
                                         if n == name])
     loader = data.make_loader(data.subset(splits.train_eval, tasks[t]), cfg.batch_size, False,
-                              cfg.workers, 0)
+                              cfg.workers, 0, device)
     new = class_prototypes(*features(model, loader, cfg), tasks[t])
     learner.prototypes = torch.cat([learner.prototypes, new])
     if cfg.oe and cfg.memory == "oe":  # this task's OE basis joins the memory
@@ -966,11 +969,16 @@ def _time_loader(cfg):
     except data.DataError as e:
         print(f"data loader not timed: {e}")
         return None
-    loader = data.make_loader(splits.train, cfg.batch_size, True, cfg.workers, 0)
+    device = torch.device(cfg.device)
+    loader = data.make_loader(splits.train, cfg.batch_size, True, cfg.workers, 0, device)
     batches, t0 = iter(loader), time.perf_counter()
     speed = sum(len(next(batches)[1]) for _ in range(min(cfg.steps, len(loader))))
+    if device.type == "cuda":  # the device pipeline's kernels run asynchronously: wait for them
+        torch.cuda.synchronize(device)
     speed /= time.perf_counter() - t0
-    print(f"data loader alone ({cfg.dataset}, {cfg.workers} workers): {speed:.1f} images/s")
+    kind = (f"batched on {device}" if isinstance(loader, data.DeviceLoader)
+            else f"{cfg.workers} workers")
+    print(f"data loader alone ({cfg.dataset}, {kind}): {speed:.1f} images/s")
     return speed
 
 

@@ -447,6 +447,108 @@ def test_loader_draws_depend_on_the_seed_only():
     assert torch.equal(state, torch.get_rng_state())  # ... leaves the run's generator alone
 
 
+# The device-resident pipeline: on the CPU here, and on CUDA too where there is one
+def _pipeline(source, spec, device, batch_size=64, train=True, seed=0):
+    ds = data._Images(source, list(range(len(source))), None, spec)  # label i: image i
+    return data.DeviceLoader(ds, batch_size, train, seed, torch.device(device))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('size', [48, 8])  # 8 px: most crops of the 20 x 24 image downsample
+def test_resized_crops_are_torchvisions_resized_crops(device, size):
+    """resized_crops equals torchvision's resized_crop (bilinear, antialiased), box by box."""
+    gen = torch.Generator().manual_seed(0)
+    x, boxes = torch.rand(64, 3, 20, 24, generator=gen), data.crop_boxes(gen, 64, 20, 24)
+    boxes[0] = torch.tensor([0, 0, 20, 24])  # the whole image too
+    no_flip = torch.zeros(64, dtype=torch.bool, device=device)
+    out = data.resized_crops(x.to(device), boxes.to(device), size, no_flip).cpu()
+    ref = torch.stack([torchvision.transforms.functional.resized_crop(
+        img, *box.tolist(), [size, size], antialias=True) for img, box in zip(x, boxes)])
+    # the same weights by another formula, summed in another order in float32: on values in
+    # [0, 1] the round-off is ~1e-6 (2e-6 seen), a wrong weight or half-pixel shift ~1e-2
+    assert float((out - ref).abs().max()) < 1e-5
+
+
+def _ks(a, b):
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
+    a, b = a.double().sort().values, b.double().sort().values
+    at = torch.cat([a, b])
+    cdf = lambda s: torch.searchsorted(s, at, right=True) / len(s)
+    return float((cdf(a) - cdf(b)).abs().max())
+
+
+# on 4 x 40 px most draws fall back to torchvision's centre box of ratio 4/3: (0, 17, 4, 5)
+@pytest.mark.parametrize('height, width, fallback', [(32, 32, None), (4, 40, [0, 17, 4, 5])])
+def test_crop_boxes_follow_torchvisions_distribution(height, width, fallback):
+    """crop_boxes draws as RandomResizedCrop.get_params: KS-close laws, the fallback as often."""
+    n, m = 20000, 4000
+    ours = data.crop_boxes(torch.Generator().manual_seed(1), n, height, width)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        img = torch.zeros(1, height, width)
+        theirs = torch.tensor([torchvision.transforms.RandomResizedCrop.get_params(
+            img, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(m)])  # (m, 4) top, left, h, w
+    # KS critical value c sqrt(1/n + 1/m) = 0.034, c = sqrt(ln(2 / alpha) / 2) = 1.95 at alpha =
+    # 1e-3; conservative for these discrete laws
+    bound = 1.95 * math.sqrt(1 / n + 1 / m)
+    laws = lambda b: [*b.double().T, b[:, 2] * b[:, 3], b[:, 3] / b[:, 2]]  # ..., area, aspect
+    for a, b in zip(laws(ours), laws(theirs)):
+        assert _ks(a, b) < bound
+    if fallback:  # its share: a step of the CDFs, within the same bound
+        share = [float((b == torch.tensor(fallback)).all(1).double().mean()) for b in
+                 (ours, theirs)]
+        assert share[1] > 0.5 and abs(share[0] - share[1]) < bound
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_flips_are_fair_coins_and_exact_mirrors(device):
+    """Each image comes back as it is or exactly mirrored, mirrored about half the time."""
+    n, gen = 2000, torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (n, 3, 6, 6), dtype=torch.uint8, generator=gen)  # never symmetric
+    mirrored = []
+    for x, y in _pipeline(src, data.Batched(6, False, True, 0.0, 1.0), device, batch_size=500):
+        x, plain = x.cpu(), src[y.cpu()].float() / 255  # (B, 3, 6, 6)
+        same, flipped = ((x == v).flatten(1).all(1) for v in (plain, plain.flip(-1)))
+        assert (same ^ flipped).all()
+        mirrored.append(flipped)
+    # Binomial(2000, 1/2): standard deviation 0.011, five of them allowed
+    assert abs(float(torch.cat(mirrored).double().mean()) - 0.5) < 5 * 0.5 / math.sqrt(n)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_pipeline_draws_depend_on_the_seed_only(device):
+    """Batches come from the seed alone, new each epoch; eval: the set's order, unaugmented."""
+    src = np.random.default_rng(0).integers(0, 256, (30, 12, 12, 3), dtype=np.uint8)  # CIFAR's
+    train, test = data.Batched(16, True, True, *MEAN_STD), data.Batched(16, False, False, *MEAN_STD)
+    make = lambda seed, spec=train: _pipeline(src, spec, device, 8, spec is train, seed)
+    epoch = lambda batches: [torch.cat(t).cpu() for t in zip(*batches)]  # [images, labels]
+    same = lambda u, v: all(torch.equal(p, q) for p, q in zip(u, v))
+    state, a = torch.get_rng_state(), make(5)
+    batches = list(a)
+    assert len(a) == 4 and [len(y) for _, y in batches] == [8, 8, 8, 6]
+    first, second = epoch(batches), epoch(a)
+    assert same(first, epoch(make(5))) and not same(first, epoch(make(6)))
+    assert not same(first, second)  # each epoch: a new order and new crops
+    assert sorted(first[1].tolist()) == list(range(30))
+    assert torch.equal(state, torch.get_rng_state())  # the loader draws from its own generator
+    x, y = epoch(make(5, test))
+    assert y.tolist() == list(range(30)) and same([x], epoch(make(6, test)))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_identity_box_gives_the_normalised_image(device):
+    """No crop, at the source's size: (x / 255 - mean) / std, from colour or grey uint8 arrays."""
+    mean, std = (0.1, 0.4, 0.7), (0.2, 0.5, 2.0)
+    spec, rng = data.Batched(9, False, False, mean, std), np.random.default_rng(0)
+    cifar = rng.integers(0, 256, (5, 9, 9, 3), dtype=np.uint8)  # (N, H, W, 3)
+    grey = rng.integers(0, 256, (5, 9, 9), dtype=np.uint8)  # (N, H, W)
+    for src, chw in [(cifar, torch.from_numpy(cifar).permute(0, 3, 1, 2)),
+                     (grey, torch.from_numpy(grey)[:, None].expand(-1, 3, -1, -1))]:
+        x, _ = next(iter(_pipeline(src, spec, device, train=False)))
+        m, s = (torch.tensor(v, device=device).view(3, 1, 1) for v in (mean, std))
+        assert torch.equal(x, (chw.to(device).float() / 255 - m) / s)  # weights 0 and 1: exact
+
+
 def _write_idx(path, array):
     header = struct.pack(f'>I{array.ndim}I', 0x800 + array.ndim, *array.shape)  # uint8 data
     with gzip.open(path, 'wb') as f:
@@ -474,6 +576,27 @@ def test_fashion_mnist_from_written_idx(tmp_path):
     batches = [next(iter(data.make_loader(s.train, 16, True, 2, seed=7))) for _ in range(2)]
     assert torch.equal(batches[0][0], batches[1][0]) and torch.equal(batches[0][1], batches[1][1])
     assert not torch.equal(batches[0][0], next(iter(data.make_loader(s.train, 16, True, 2, 8)))[0])
+
+
+def test_pipeline_through_load_dataset_and_subset(tmp_path):
+    """On loaded sets' subsets: synthetic as the worker loader gives it, Fashion-MNIST resized."""
+    s = data.load_dataset('synthetic', None, 16, *MEAN_STD)
+    by_workers = data._Images(s.test.source, s.test.targets, s.test.transform)  # no batched spec
+    loaders = [data.make_loader(data.subset(ds, [2, 3, 4]), 8, False, 0, seed=0)
+               for ds in (s.test, by_workers)]
+    assert isinstance(loaders[0], data.DeviceLoader) and len(loaders[0]) == len(loaders[1]) == 3
+    for (x, y), (u, v) in zip(*loaders):
+        assert torch.equal(x, u) and torch.equal(y, v)
+    f = data.load_dataset('fashion-mnist', _fake_fashion(tmp_path), 32, *MEAN_STD, download=False)
+    grey = torch.from_numpy(f.train.source.copy()).float()[:, None] / 255  # (40, 1, 28, 28)
+    ref = (torchvision.transforms.functional.resize(grey, [32, 32], antialias=True) - 0.5) / 0.5
+    x, y = next(iter(data.make_loader(f.train_eval, 40, False, 0, seed=0)))  # test transform
+    # the crop test's round-off, doubled by the division by std 0.5
+    assert float((x - ref).abs().max()) < 2e-5 and y.tolist() == f.train.targets
+    x, y = next(iter(data.make_loader(f.train, 40, True, 0, seed=0)))  # resize and flip, no crop
+    gap = (x[:, None] - torch.cat([ref, ref.flip(-1)])).abs().flatten(2).amax(2)  # (40, 80)
+    assert float(gap.min(1).values.max()) < 2e-5
+    assert torch.equal(torch.tensor(f.train.targets * 2)[gap.argmin(1)], y)
 
 
 def test_fashion_mnist_corrupt_and_missing(tmp_path):
@@ -520,6 +643,8 @@ def test_imagenet_r_split(tmp_path):
     assert set(a.train.source).isdisjoint(a.test.source) and a.class_names == sorted(a.class_names)
     (tmp_path / 'imagenet-r' / '.ipynb_checkpoints').mkdir()  # hidden folders are no classes
     assert a.train[0][0].shape == (3, 32, 32) and a.test[0][0].shape == (3, 32, 32)
+    loader = data.make_loader(a.train, 8, True, 0, seed=0, device='cpu')
+    assert isinstance(loader, torch.utils.data.DataLoader)  # files: the worker loader, always
     split = json.loads((tmp_path / 'imagenet-r_split.json').read_text())
     assert (len(split['train']), len(split['test'])) == (800, 200)
     assert all(p.count('/') == 1 for p in split['train'])  # relative paths <wnid>/<file>
