@@ -19,11 +19,184 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-import torch
-import torch.nn.functional as F
 
-import data
-import vit
+# ==================================================================================================
+# Configuration: one dataclass; each field is a flag, its help the meaning and source. No torch
+# here: --help answers before torch loads.
+# ==================================================================================================
+DATASET_NAMES = ("cifar100", "imagenet-r", "domainnet", "imagenet100", "fashion-mnist", "synthetic")
+MODEL_NAMES = ("vit_base", "vit_small", "vit_tiny")  # data.DATASETS, vit.PRESETS (a test checks)
+
+
+def _opt(default, help, **kw):
+    return field(default=default, metadata=dict(help=help, **kw))
+
+
+# The methods of the paper's comparisons as flag sets: --method NAME puts them before the others.
+METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
+           "finetune": ["--no-oe", "--no-gr", "--no-dml"],
+           "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
+           "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
+           "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
+GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); others 0.95, 1.0
+# --reproduce NAME: (what it reproduces, {row: its flags}); sweep values as read from the paper
+REPRODUCE = {
+    "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", {
+        "1": ["--no-oe", "--no-gr", "--no-dml"], "2": ["--no-oe", "--no-gr"],
+        "3": ["--no-gr", "--no-dml"], "4": ["--no-oe", "--no-dml"], "5": ["--no-dml"],
+        "6": ["--no-gr"], "7": []}),
+    "methods": ("Tables 2 and 3: the methods we implement", {
+        m: ["--method", m] for m in ("finetune", "lora-gpm", "inflora", "janus")}),
+    "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)", {
+        "gpm": ["--memory", "gpm", "--epochs", "1"], "oe": ["--epochs", "1"]}),
+    "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM", {
+        "lora-gpm": ["--method", "lora-gpm"], "lora-gpm-gr": ["--method", "lora-gpm-gr"]}),
+    "k": ("Fig. 4a: the rank k of the OE basis", {f"k{k}": ["--k", str(k)]
+                                                  for k in (25, 50, 75, 100)}),
+    "margin": ("Fig. 4b: the DML margin m", {f"m{m}": ["--margin", str(m)]
+                                               for m in (0.1, 0.2, 0.3, 0.4, 0.5)}),
+    "lambda": ("the appendix's figure: the DML weight lambda", {
+        f"l{v}": ["--lambda-dml", str(v)] for v in (0.5, 1.0, 1.5, 2.0)}),
+    "backbones": ("Table 4: Janus-LoRA on other pre-trainings", {
+        w: ["--weights", w] for w in ("in21k", "sam", "dino")}),
+}
+
+
+@dataclass
+class Config:
+    dataset: str = _opt("cifar100", "data set (paper Sec. 4.1)", choices=DATASET_NAMES)
+    data_dir: str = _opt("data", "folder that holds (or receives) the data set")
+    tasks: int = _opt(None, "tasks T (default: the protocol's, e.g. 10 for CIFAR-100; Sec. 4.1)")
+    epochs: int = _opt(None, "epochs per task (default: CIFAR-100 20, ImageNet-R 50, DomainNet 5)")
+    batch_size: int = _opt(None, "batch size (default: 128, paper Sec. 4.1; synthetic 16)")
+    lr: float = _opt(5e-4, "Adam learning rate (paper Sec. 4.1; InfLoRA codebase)")
+    schedule: str = _opt("inflora", "lr per epoch of a task: inflora, the codebase's quarter "
+                         "cosine; cosine, a half cosine to 0", choices=["inflora", "cosine"])
+    precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
+                          choices=["bf16", "fp32"])
+    model: str = _opt("vit_base", "backbone (paper: ViT-B/16)", choices=MODEL_NAMES)
+    weights: str = _opt("in21k", "in21k (paper), sam, dino (Table 4), torchvision, none, or a file")
+    img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
+    patch_size: int = _opt(16, "patch size (paper: 16); free only with --weights none")
+    rank: int = _opt(10, "LoRA rank r on K and V (paper Sec. 4.1)")
+    lora_scale: float = _opt(1.0, "LoRA scale s (ours; the paper does not give it)")
+    k: int = _opt(50, "rank of the OE basis V per block and task (paper Sec. 4.1)")
+    oe_lr: float = _opt(1.0, "OE step at a task's start; 1: a step of subspace iteration (ours)")
+    oe_decay_steps: int = _opt(5, "OE step halves after this many steps, then decays as 1/t (ours)")
+    delta: float = _opt(1e-4, "GR ridge, relative to the mean eigenvalue of B^T B or A A^T (ours)")
+    margin: float = _opt(0.3, "DML margin m (paper Sec. 4.1)")
+    lambda_dml: float = _opt(1.0, "DML weight lambda (paper Eq. (12), Sec. 4.1)")
+    tau: float = _opt(0.07, "DML temperature tau (paper Sec. 4.1, after CLIP)")
+    oe: bool = _opt(True, "Online Estimation and the safe gradient (paper Table 1, the ablation)")
+    gr: bool = _opt(True, "Gradient Rectification (paper Table 1, the ablation)")
+    dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 1, the ablation)")
+    rectify: str = _opt("grad", "grad: GR's gradients go to Adam (paper); update: GR on Adam's "
+                        "step, split with the least norm (ours)", choices=["grad", "update"])
+    memory: str = _opt("oe", "the protected memory: oe, each task's OE basis joins it (ours); "
+                       "oe-rolling, one OE basis per block is it (the paper's words); gpm, GPM's "
+                       "pass after each task (Table 5)", choices=["oe", "oe-rolling", "gpm"])
+    gpm_threshold: list = _opt(None, "GPM's energy threshold at the first and last task (default: "
+                               "InfLoRA's, 0.95 1.0; ImageNet-R 0.98 1.0)", nargs=2, type=float)
+    lora_a: str = _opt("trained", "each task's A: trained (paper), or designed from the task's "
+                       "K/V inputs off the memory and frozen (InfLoRA)",
+                       choices=["trained", "inflora"])
+    method: str = _opt(None, "a method of the paper's tables as a preset of flags; later flags "
+                       "override it (README, 'Methods')", choices=sorted(METHODS))
+    input_range: str = _opt("unit", "unit: [0, 1] as the InfLoRA codebase (paper); checkpoint: as "
+                            "a named --weights was trained; half: [-1, 1]; imagenet: its mean, std",
+                            choices=["unit", "checkpoint", "half", "imagenet"])
+    seeds: list = _opt((0,), "seeds; several give mean +- std (paper: 5)", nargs="+", type=int)
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    compile: bool = _opt(False, "torch.compile each ViT block (off until it measures faster)",
+                         action="store_true")
+    # the cores this process may use (os.sched_getaffinity: not on every system)
+    workers: int = _opt(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else os.cpu_count() or 1, "loader workers of the file-based data sets "
+                        "(default: the cores available)")
+    limit_per_class: int = _opt(None, "keep at most this many training images per class")
+    out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
+    resume: str = _opt(None, "continue the run in this folder from its last finished task")
+    benchmark: bool = _opt(False, "time plain LoRA and Janus steps, then exit", action="store_true")
+    steps: int = _opt(20, "--benchmark: timed steps per variant (after 3 warm-up steps)")
+    reproduce: str = _opt(None, "run every row of a table or figure of the paper into OUT/<row>/, "
+                          "then write OUT/table.md (README, 'Reproducing')",
+                          choices=list(REPRODUCE))
+    row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
+    dry_run: bool = _opt(False, "with --reproduce: list the rows and their commands only",
+                         action="store_true")
+
+
+# --help's groups, in order: every field in one
+GROUPS = {"data": "dataset data_dir tasks epochs batch_size limit_per_class img_size input_range",
+          "model": "model weights patch_size rank lora_scale",
+          "method (the paper's, and our readings)": "method lr schedule k oe_lr oe_decay_steps "
+                                                    "delta margin lambda_dml tau rectify memory "
+                                                    "gpm_threshold lora_a",
+          "ablation (paper Table 1)": "oe gr dml",
+          "run": "seeds device precision compile workers resume",
+          "output and other modes": "out benchmark steps reproduce row dry_run"}
+EXAMPLES = """examples:
+  python janus_min.py --dataset cifar100 --data-dir data --seeds 0 1 2 3 4 --out runs/cifar
+  python janus_min.py --reproduce ablation --dataset fashion-mnist --data-dir DIR \\
+      --model vit_tiny --weights none --img-size 28 --patch-size 7 --limit-per-class 500 \\
+      --epochs 2 --out runs/ablation"""
+
+
+class ConfigError(Exception):
+    """An impossible combination of flags."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"error: {message}; see python janus_min.py --help\n")
+
+
+def _parser(given_only):
+    p = _Parser(usage="python janus_min.py [flags]", epilog=EXAMPLES,
+                description="Janus-LoRA (ICML 2026): class-incremental learning with a frozen ViT "
+                            "and LoRA,\nmade stable by OE + GR and plastic by DML. Flags by group; "
+                            "README.md has the details.",
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                argument_default=argparse.SUPPRESS if given_only else None)
+    groups = {title: p.add_argument_group(title) for title in GROUPS}
+    group = {name: groups[title] for title, names in GROUPS.items() for name in names.split()}
+    for f in fields(Config):
+        flag, meta, g = "--" + f.name.replace("_", "-"), dict(f.metadata), group[f.name]
+        if f.type is bool and f.default is False:
+            g.add_argument(flag, **meta)
+        elif f.type is bool:
+            g.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
+                           help="turn off " + meta["help"] + " (on by default)")
+        else:
+            meta.setdefault("type", {"int": int, "float": float}.get(f.type.__name__, str))
+            if f.default is not None and "default" not in meta["help"]:  # None: the help says
+                shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+                meta["help"] += f" (default: {shown})"
+            g.add_argument(flag, **meta, **({} if given_only else {"default": f.default}))
+    return p
+
+
+def parse_args(argv=None, given_only=False):
+    """The Config of argv, a --method preset before the other flags; given_only: a dict of the
+    flags typed, and nothing else (what --resume compares)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if given_only:
+        return vars(_parser(True).parse_args(argv))
+    pre = _Parser(add_help=False)
+    pre.add_argument("--method", choices=sorted(METHODS))
+    method = pre.parse_known_args(argv)[0].method
+    argv = METHODS.get(method, []) + argv  # the preset first: flags given explicitly override it
+    return Config(**vars(_parser(False).parse_args(argv)))
+
+
+if __name__ == "__main__":
+    parse_args()  # answers --help and refuses bad flags before torch loads (2-3 s)
+
+import torch  # noqa: E402 -- after the configuration, for the line above
+import torch.nn.functional as F  # noqa: E402
+
+import data  # noqa: E402
+import vit  # noqa: E402
 
 
 # ==================================================================================================
@@ -361,140 +534,6 @@ def dml_geometry(z, y, prototypes, old, bins=20):
             "hist": (torch.histc(cos_old, bins, -1, 1) / len(z)).tolist(),
             "cos_old": [round(v, 4) for v in cos_old.tolist()],
             "cos_own": [round(v, 4) for v in cos_own.tolist()]}
-
-
-# ==================================================================================================
-# Configuration: one dataclass; each field is a flag, its help the meaning and source
-# ==================================================================================================
-def _opt(default, help, **kw):
-    return field(default=default, metadata=dict(help=help, **kw))
-
-
-# The methods of the paper's comparisons as flag sets: --method NAME puts them before the others.
-METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
-           "finetune": ["--no-oe", "--no-gr", "--no-dml"],
-           "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
-           "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
-           "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
-GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); others 0.95, 1.0
-# --reproduce NAME: (what it reproduces, {row: its flags}); sweep values as read from the paper
-REPRODUCE = {
-    "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", {
-        "1": ["--no-oe", "--no-gr", "--no-dml"], "2": ["--no-oe", "--no-gr"],
-        "3": ["--no-gr", "--no-dml"], "4": ["--no-oe", "--no-dml"], "5": ["--no-dml"],
-        "6": ["--no-gr"], "7": []}),
-    "methods": ("Tables 2 and 3: the methods we implement", {
-        m: ["--method", m] for m in ("finetune", "lora-gpm", "inflora", "janus")}),
-    "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)", {
-        "gpm": ["--memory", "gpm", "--epochs", "1"], "oe": ["--epochs", "1"]}),
-    "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM", {
-        "lora-gpm": ["--method", "lora-gpm"], "lora-gpm-gr": ["--method", "lora-gpm-gr"]}),
-    "k": ("Fig. 4a: the rank k of the OE basis", {f"k{k}": ["--k", str(k)]
-                                                  for k in (25, 50, 75, 100)}),
-    "margin": ("Fig. 4b: the DML margin m", {f"m{m}": ["--margin", str(m)]
-                                               for m in (0.1, 0.2, 0.3, 0.4, 0.5)}),
-    "lambda": ("the appendix's figure: the DML weight lambda", {
-        f"l{v}": ["--lambda-dml", str(v)] for v in (0.5, 1.0, 1.5, 2.0)}),
-    "backbones": ("Table 4: Janus-LoRA on other pre-trainings", {
-        w: ["--weights", w] for w in ("in21k", "sam", "dino")}),
-}
-
-
-@dataclass
-class Config:
-    dataset: str = _opt("cifar100", "data set (paper Sec. 4.1)", choices=sorted(data.DATASETS))
-    data_dir: str = _opt("data", "folder that holds (or receives) the data set")
-    tasks: int = _opt(None, "tasks T (default: the protocol's, e.g. 10 for CIFAR-100; Sec. 4.1)")
-    epochs: int = _opt(None, "epochs per task (default: CIFAR-100 20, ImageNet-R 50, DomainNet 5)")
-    batch_size: int = _opt(None, "batch size (default: 128, paper Sec. 4.1; synthetic 16)")
-    lr: float = _opt(5e-4, "Adam learning rate (paper Sec. 4.1; InfLoRA codebase)")
-    schedule: str = _opt("inflora", "lr per epoch of a task: inflora, the codebase's quarter "
-                         "cosine; cosine, a half cosine to 0", choices=["inflora", "cosine"])
-    precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
-                          choices=["bf16", "fp32"])
-    model: str = _opt("vit_base", "backbone (paper: ViT-B/16)", choices=list(vit.PRESETS))
-    weights: str = _opt("in21k", "in21k (paper), sam, dino (Table 4), torchvision, none, or a file")
-    img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
-    patch_size: int = _opt(16, "patch size (paper: 16); free only with --weights none")
-    rank: int = _opt(10, "LoRA rank r on K and V (paper Sec. 4.1)")
-    lora_scale: float = _opt(1.0, "LoRA scale s (ours; the paper does not give it)")
-    k: int = _opt(50, "rank of the OE basis V per block and task (paper Sec. 4.1)")
-    oe_lr: float = _opt(1.0, "OE step at a task's start; 1: a step of subspace iteration (ours)")
-    oe_decay_steps: int = _opt(5, "OE step halves after this many steps, then decays as 1/t (ours)")
-    delta: float = _opt(1e-4, "GR ridge, relative to the mean eigenvalue of B^T B or A A^T (ours)")
-    margin: float = _opt(0.3, "DML margin m (paper Sec. 4.1)")
-    lambda_dml: float = _opt(1.0, "DML weight lambda (paper Eq. (12), Sec. 4.1)")
-    tau: float = _opt(0.07, "DML temperature tau (paper Sec. 4.1, after CLIP)")
-    oe: bool = _opt(True, "Online Estimation and the safe gradient (paper Table 1, the ablation)")
-    gr: bool = _opt(True, "Gradient Rectification (paper Table 1, the ablation)")
-    dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 1, the ablation)")
-    rectify: str = _opt("grad", "grad: GR's gradients go to Adam (paper); update: GR on Adam's "
-                        "step, split with the least norm (ours)", choices=["grad", "update"])
-    memory: str = _opt("oe", "the protected memory: oe, each task's OE basis joins it (ours); "
-                       "oe-rolling, one OE basis per block is it (the paper's words); gpm, GPM's "
-                       "pass after each task (Table 5)", choices=["oe", "oe-rolling", "gpm"])
-    gpm_threshold: list = _opt(None, "GPM's energy threshold at the first and last task (default: "
-                               "InfLoRA's, 0.95 1.0; ImageNet-R 0.98 1.0)", nargs=2, type=float)
-    lora_a: str = _opt("trained", "each task's A: trained (paper), or designed from the task's "
-                       "K/V inputs off the memory and frozen (InfLoRA)",
-                       choices=["trained", "inflora"])
-    method: str = _opt(None, "a method of the paper's tables as a preset of flags; later flags "
-                       "override it (README, 'Methods')", choices=sorted(METHODS))
-    input_range: str = _opt("unit", "unit: [0, 1] as the InfLoRA codebase (paper); checkpoint: as "
-                            "a named --weights was trained; half: [-1, 1]; imagenet: its mean, std",
-                            choices=["unit", "checkpoint", "half", "imagenet"])
-    seeds: list = _opt((0,), "seeds; several give mean +- std (paper: 5)", nargs="+", type=int)
-    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
-    compile: bool = _opt(False, "torch.compile each ViT block (off until it measures faster)",
-                         action="store_true")
-    # the cores this process may use (os.sched_getaffinity: not on every system)
-    workers: int = _opt(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                        else os.cpu_count() or 1, "loader workers of the file-based data sets "
-                        "(default: the cores available)")
-    limit_per_class: int = _opt(None, "keep at most this many training images per class")
-    out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
-    resume: str = _opt(None, "continue the run in this folder from its last finished task")
-    benchmark: bool = _opt(False, "time plain LoRA and Janus steps, then exit", action="store_true")
-    steps: int = _opt(20, "--benchmark: timed steps per variant (after 3 warm-up steps)")
-    reproduce: str = _opt(None, "run every row of a table or figure of the paper into OUT/<row>/, "
-                          "then write OUT/table.md (README, 'Reproducing')",
-                          choices=list(REPRODUCE))
-    row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
-    dry_run: bool = _opt(False, "with --reproduce: list the rows and their commands only",
-                         action="store_true")
-
-
-class ConfigError(Exception):
-    """An impossible combination of flags."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        self.exit(2, f"error: {message}; see python janus_min.py --help\n")
-
-
-def parse_args(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = _Parser(add_help=False)
-    pre.add_argument("--method", choices=sorted(METHODS))
-    method = pre.parse_known_args(argv)[0].method
-    argv = METHODS.get(method, []) + argv  # a preset first: flags given explicitly override it
-    p = _Parser(description="Janus-LoRA (ICML 2026): class-incremental learning with a frozen ViT "
-                            "and LoRA, made stable by OE + GR and plastic by DML.")
-    for f in fields(Config):
-        flag, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
-        if f.type is bool and f.default is False:
-            p.add_argument(flag, **meta)
-        elif f.type is bool:
-            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
-                           help="turn off " + meta["help"] + " (on by default)")
-        else:
-            meta.setdefault("type", {"int": int, "float": float}.get(f.type.__name__, str))
-            if f.default is not None and "default" not in meta["help"]:  # None: the help says
-                shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-                meta["help"] += f" (default: {shown})"
-            p.add_argument(flag, default=f.default, **meta)
-    return Config(**vars(p.parse_args(argv)))
 
 
 def _require(ok, message):
