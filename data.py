@@ -13,6 +13,7 @@ Sources, in data_dir (the README's "Offline" table says where each file goes):
 import gzip
 import json
 import os
+import shlex
 import shutil
 import struct
 import tarfile
@@ -33,6 +34,11 @@ from torchvision.datasets.utils import check_integrity, download_url, extract_ar
 
 class DataError(Exception):
     """A data set is missing, incomplete or corrupt, or the task split is impossible."""
+
+
+def _q(path):
+    """A path as one shell word, so that a suggested command can be pasted as it is."""
+    return shlex.quote(str(path))
 
 
 # Tasks, epochs, batch size and resolution of the paper and InfLoRA's configs (ImageNet-R also runs
@@ -89,7 +95,7 @@ def _fetch(action, what, root, source, download, hint='', made=()):
                 d.rmdir()
         raise DataError(f'{what} is missing from {root} and could not be downloaded '
                         f'({" ".join(str(err).split())}): put {source} there and pass --data-dir '
-                        f'{root}{hint}.') from None
+                        f'{_q(root)}{hint}.') from None
 
 
 def _cifar100(root, seed, download):
@@ -193,7 +199,7 @@ def _domainnet(root, seed, download):
             if not listing.is_file():
                 raise DataError(f'DomainNet list {listing.name} is missing from {root}: put the '
                                 'six domain folders and their lists from http://ai.bu.edu/M3SDA/ '
-                                f'there and pass --data-dir {root}.')
+                                f'there and pass --data-dir {_q(root)}.')
             try:
                 lines = listing.read_text(encoding='utf-8').splitlines()
             except UnicodeDecodeError:
@@ -224,14 +230,15 @@ def _imagenet100(root, seed, download):
         if not path.is_dir():
             raise DataError(f'ImageNet-100 folder {path} is missing: put ILSVRC-2012 from '
                             f'https://image-net.org in {root} as train/<wnid>/ and val/<wnid>/ and '
-                            f'pass --data-dir {root}.')
+                            f'pass --data-dir {_q(root)}.')
     return [_folder(root / part, wnids) for part in ('train', 'val')], wnids
 
 
 def _read_idx(path):
-    """uint8 array of an idx file: magic 0x000008NN (uint8, NN dims), a uint32 per dim, the data."""
+    """uint8 array of an idx file, gzipped or not: magic 0x000008NN (uint8, NN dims), a uint32
+    per dim, the data."""
     try:
-        with gzip.open(path) as f:
+        with (gzip.open if path.suffix == '.gz' else open)(path, 'rb') as f:
             raw = f.read()
     except (OSError, EOFError) as err:
         raise DataError(f'{path} is not a complete gzip file ({err}): fetch it again.') from None
@@ -243,23 +250,35 @@ def _read_idx(path):
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
+def _idx_files(folder):
+    """The four files in folder, each gzipped or unpacked (its name without .gz); None if any is
+    missing."""
+    found = [next((p for p in (folder / f, folder / f[:-3]) if p.is_file()), None)
+             for f in FASHION_FILES]
+    return None if None in found else found
+
+
 def _fashion_mnist(root, seed, download):
     raw = root / 'FashionMNIST' / 'raw'  # where torchvision downloads to
-    folder = next((d for d in (root, raw) if all((d / f).is_file() for f in FASHION_FILES)), None)
-    if folder is None:
+    files = _idx_files(root) or _idx_files(raw)
+    if files is None:
         first = next(f for f in FASHION_FILES if not (root / f).is_file())
         _fetch(lambda: FashionMNIST(str(root), download=True), f'Fashion-MNIST file {first}', root,
                f'the four idx .gz files from {FashionMNIST.mirrors[0]}', download,
                " (or install Debian's dataset-fashion-mnist and pass --data-dir "
                "/usr/share/datasets/fashion-mnist)", made=('FashionMNIST/raw', 'FashionMNIST'))
-        folder = raw
+        files = _idx_files(raw)
     parts = []
-    for images, labels in (FASHION_FILES[:2], FASHION_FILES[2:]):
-        x, y = _read_idx(folder / images), _read_idx(folder / labels)
+    for images, labels in (files[:2], files[2:]):
+        x, y = _read_idx(images), _read_idx(labels)
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or y.max(initial=0) >= 10:
-            raise DataError(f'{images} and {labels} in {folder} do not match as Fashion-MNIST: '
-                            'fetch them again.')
+            raise DataError(f'{images.name} and {labels.name} in {images.parent} do not match as '
+                            'Fashion-MNIST: fetch them again.')
         parts.append((x, y.tolist()))
+    if len(parts[0][1]) < len(parts[1][1]):  # 60,000 training images, 10,000 test ones
+        raise DataError(f'{files[0].name} holds fewer images ({len(parts[0][1])}) than '
+                        f'{files[2].name} ({len(parts[1][1])}) in {files[0].parent}: the training '
+                        'and test files are swapped; rename them.')
     return parts, FashionMNIST.classes
 
 
@@ -330,6 +349,9 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
         ((train, train_y), (test, test_y)), names = _synthetic(img_size, seed)
     else:
         root = Path(data_dir).expanduser().resolve()
+        if root.is_file():
+            raise DataError(f'--data-dir {_q(root)} is a file: pass the folder that holds (or will '
+                            f'hold) the files of {name}.')
         ((train, train_y), (test, test_y)), names = _LOADERS[name](root, seed, download)
         found, expected = len(set(train_y) | set(test_y)), DATASETS[name]['num_classes']
         if found != expected or len(names) != expected:

@@ -8,13 +8,18 @@ References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Cont
 ICML 2026; InfLoRA (Liang & Li, CVPR 2024) for the protocol; LoRA-Pro (Wang et al., ICLR 2025).
 """
 import argparse
+import collections
 import copy
 import functools
 import json
 import math
 import os
 import re
+import shlex
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -330,10 +335,11 @@ def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
 
 # ---- Metrics (Sec. 4.1) and the null-space violation (Fig. 2) ------------------------------------
 def metrics(acc):
-    """ACC, MAA, BWT of acc[t][i], the accuracy (%) on task i after task t (i <= t is read)."""
+    """ACC, MAA, BWT of acc[t][i], the accuracy (%) on task i after task t (i <= t is read); BWT
+    is undefined (None) with one task."""
     T = len(acc)
     maa = sum(sum(acc[t][: t + 1]) / (t + 1) for t in range(T)) / T
-    bwt = sum(acc[T - 1][i] - acc[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else 0.0
+    bwt = sum(acc[T - 1][i] - acc[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else None
     return {"ACC": sum(acc[T - 1][:T]) / T, "MAA": maa, "BWT": bwt}
 
 
@@ -552,18 +558,17 @@ def check_config(cfg):
     floats = [f.name for f in fields(Config) if f.type is float]
     _require(all(math.isfinite(getattr(cfg, n)) for n in floats),
              "--" + ", --".join(n.replace("_", "-") for n in floats) + " must be finite numbers")
-    _require(all(0 <= s < 2**63 for s in cfg.seeds), "--seeds must lie in 0 .. 2^63 - 1")
+    _require(all(0 <= s < 2**32 for s in cfg.seeds), "--seeds must lie in 0 .. 2^32 - 1")
+    _require(len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: each seed once")
     _require(cfg.img_size >= 1 and cfg.patch_size >= 1, "--img-size and --patch-size must be >= 1")
-    _require(cfg.out is None or not os.path.exists(cfg.out) or os.path.isdir(cfg.out),
-             f"--out {cfg.out} is a file, not a folder; choose another --out")
     _require(cfg.tasks >= 1 and info["num_classes"] % cfg.tasks == 0, f"--tasks {cfg.tasks} does "
              f"not divide the {info['num_classes']} classes of {cfg.dataset}")
     _require(cfg.epochs >= 1, "--epochs must be at least 1")
     _require(cfg.batch_size >= 1, "--batch-size must be at least 1")
-    _require(cfg.rank >= 1, "--rank must be at least 1")
+    _require(1 <= cfg.rank <= width, f"--rank must lie in 1..{width} (the width of {cfg.model})")
     _require(1 <= cfg.k <= width, f"--k must lie in 1..{width} (the block width of {cfg.model})")
-    _require(min(cfg.lr, cfg.margin, cfg.lambda_dml) >= 0,
-             "--lr, --margin and --lambda-dml must not be negative")
+    _require(cfg.lr > 0, "--lr must be positive")
+    _require(min(cfg.margin, cfg.lambda_dml) >= 0, "--margin and --lambda-dml must not be negative")
     _require(cfg.tau > 0, "--tau must be positive")
     _require(cfg.lora_scale > 0, "--lora-scale must be positive")
     _require(cfg.weights == "none" or cfg.patch_size == 16,
@@ -588,10 +593,6 @@ def check_config(cfg):
              "--delta, --oe-lr, --oe-decay-steps and --steps must be positive")
     _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device),
              f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")
-    if cfg.oe and cfg.k * (cfg.tasks - 1) >= width:  # allowed, but the reader should know
-        full = -(-width // cfg.k)
-        print(f"note: k x (T - 1) = {cfg.k * (cfg.tasks - 1)} reaches the block width {width}: the "
-              f"memory is full after task {full} and K/V learn nothing from task {full + 1} on")
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus = torch.cuda.device_count()
@@ -682,9 +683,10 @@ class Learner:
     interference: list = field(default_factory=list)  # per task: Probe.interference(), or None
     geometry: list = field(default_factory=list)  # per task: dml_geometry(...), or None
     throughput: list = field(default_factory=list)  # per task: images/s of each epoch
+    warnings: list = field(default_factory=list)  # what makes the numbers invalid (divergence)
 
     MEASURED = ("acc", "aware", "sample_acc", "task_seconds", "violation", "interference",
-                "geometry", "throughput")
+                "geometry", "throughput", "warnings")
 
     def snapshot(self, tasks):
         """The checkpoint's "current": all the next task needs, and the run's generator."""
@@ -737,15 +739,45 @@ def start_learner(cfg, seed, base_model, tasks, resume=None):
     return learner
 
 
-class Clock:
-    """The run's ETA from the epochs this process has done so far."""
+class Progress:
+    """The run's progress lines, to the console (flushed; in place on a terminal) and to DIR/log.txt
+    (appended on resume); within an epoch at least every `every` seconds; with the run's ETA,
+    evaluation included (its images are timed apart from the training's)."""
 
-    def __init__(self, epochs_left):
-        self.start, self.done, self.left = time.time(), 0, epochs_left
+    def __init__(self, folder, every=30.0):
+        self.file = open(os.path.join(folder, "log.txt"), "a", encoding="utf-8")
+        self.tty, self.every, self.last = sys.stdout.isatty(), every, time.time()
+        self.seconds, self.images = {"train": 0.0, "eval": 0.0}, {"train": 0, "eval": 0}
+        self.left = {"train": 0, "eval": 0}  # images still to pass, set by plan()
 
-    def tick(self):
-        self.done += 1
-        return (time.time() - self.start) / self.done * (self.left - self.done)
+    def log(self, line):
+        print("\r\033[K" * self.tty + line, flush=True)  # on a terminal: over the in-place line
+        self.file.write(line + "\n")
+        self.file.flush()
+
+    def plan(self, train, evaluation):
+        self.left = {"train": train, "eval": evaluation}
+
+    def done(self, kind, images, seconds):
+        self.seconds[kind] += seconds
+        self.images[kind] += images
+        self.left[kind] -= images
+
+    def eta(self):
+        """Seconds left: the images still to train and to evaluate, each at its measured rate (an
+        evaluation not yet timed at a third of training's: a forward pass, no backward)."""
+        train = self.seconds["train"] / max(self.images["train"], 1)
+        evaluate = self.seconds["eval"] / self.images["eval"] if self.images["eval"] else train / 3
+        return self.left["train"] * train + self.left["eval"] * evaluate
+
+    def step(self, describe):
+        """Within an epoch: describe() as a line every `every` s, or in place every 1 s on a tty."""
+        if time.time() - self.last >= (1.0 if self.tty else self.every):
+            if self.tty:
+                print("\r\033[K" + describe(), end="", flush=True)
+            else:
+                self.log(describe())
+            self.last = time.time()
 
 
 def start_task(learner, t, tasks, splits, cfg):
@@ -767,7 +799,7 @@ def start_task(learner, t, tasks, splits, cfg):
             layer.A.copy_(A[i])
 
 
-def train_task(learner, t, classes, splits, cfg, clock, log=print):
+def train_task(learner, t, classes, splits, cfg, progress):
     """Task t's training: Adam on the LoRA pairs and the task's head, cfg.epochs epochs."""
     device, model, head = learner.prototypes.device, learner.model, learner.heads[-1]
     local = torch.full((splits.num_classes,), -1, dtype=torch.long, device=device)
@@ -778,23 +810,35 @@ def train_task(learner, t, classes, splits, cfg, clock, log=print):
     opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.999))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, cfg.epochs, cfg.schedule))
     learner.throughput.append([])
+    where, first = f"task {t + 1}/{cfg.tasks}", None
     for epoch in range(cfg.epochs):
         e0, loss_sum, correct, seen = time.time(), 0.0, 0, 0
-        for images, y in loader:
-            images, y = images.to(device, non_blocking=True), local[y.to(device)]
+        for step, (images, y) in enumerate(loader, 1):
+            t0, images, y = time.time(), images.to(device, non_blocking=True), local[y.to(device)]
             loss, right = train_step(model, head, opt, images, y, cfg, learner.subspace,
                                      learner.prototypes)
             loss_sum, correct, seen = loss_sum + loss * len(y), correct + right, seen + len(y)
+            first = float(loss) if first is None else first  # a sync a task: the divergence mark
+            progress.done("train", len(y), time.time() - t0)
+            progress.step(lambda: f"{where} epoch {epoch + 1}/{cfg.epochs} step {step}/"
+                          f"{len(loader)}  loss {float(loss_sum) / seen:.4f}  "
+                          f"{seen / (time.time() - e0):7.1f} img/s  "
+                          f"ETA {progress.eta() / 60:.1f} min")
         sched.step()
         if not torch.isfinite(loss_sum):  # a diverged run must not go on to write results
             raise FloatingPointError(
                 f"task {t + 1} epoch {epoch + 1}: the loss is {float(loss_sum)}; lower --lr and "
                 "start again (checkpoint.pt, if there is one, holds the tasks finished before)")
-        eta, speed = clock.tick(), seen / (time.time() - e0)
+        mean, speed = float(loss_sum) / seen, seen / (time.time() - e0)
         learner.throughput[-1].append(speed)
-        log(f"task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss "
-            f"{float(loss_sum) / seen:.4f}  train acc {100.0 * float(correct) / seen:5.2f}%  "
-            f"{speed:7.1f} img/s  ETA {eta / 60:.1f} min")
+        grew = mean > 100 * first  # orders of magnitude above the task's first batch: diverging
+        if grew:
+            learner.warnings.append(f"task {t + 1} epoch {epoch + 1}: the loss grew to {mean:.3g} "
+                                    f"from {first:.3g}; these numbers are not a valid run")
+        progress.log(f"{where} epoch {epoch + 1}/{cfg.epochs}  loss {mean:.4f}  train acc "
+                     f"{100.0 * float(correct) / seen:5.2f}%  {speed:7.1f} img/s  ETA "
+                     f"{progress.eta() / 60:.1f} min" + ("  WARNING: the loss is diverging; lower "
+                                                          "--lr" if grew else ""))
 
 
 @torch.no_grad()
@@ -826,24 +870,34 @@ def end_task(learner, t, tasks, splits, cfg):
     return factors
 
 
-def run_seed(cfg, seed, base_model, splits, save, resume=None, log=print):
+def task_sizes(splits, tasks):
+    """Per task: its training images, and the evaluation images after it (its prototype pass and
+    the test images of the tasks seen by then), for the ETA."""
+    count = lambda part: collections.Counter(part.targets)
+    train, test = ([sum(n[c] for c in classes) for classes in tasks]
+                   for n in (count(splits.train), count(splits.test)))
+    return train, [train[t] + sum(test[:t + 1]) for t in range(len(tasks))]
+
+
+def run_seed(cfg, seed, base_model, splits, save, progress, resume=None):
     """All tasks of one seed; save(snapshot) after each task; returns the seed's results."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     learner = start_learner(cfg, seed, base_model, tasks, resume)
-    first = len(learner.acc)
+    first, log, evaluated = len(learner.acc), progress.log, task_sizes(splits, tasks)[1]
     if resume is not None:
         log(f"seed {seed}: resumed after task {first}")
-    clock = Clock((cfg.tasks - first) * cfg.epochs)
     for t in range(first, cfg.tasks):
         t0 = time.time()  # a task's time: its training and its method's own passes, not the tests
         start_task(learner, t, tasks, splits, cfg)
-        train_task(learner, t, tasks[t], splits, cfg, clock, log)
+        train_task(learner, t, tasks[t], splits, cfg, progress)
+        e0 = time.time()
         factors = end_task(learner, t, tasks, splits, cfg)
         learner.task_seconds.append(time.time() - t0)
         current = torch.zeros(splits.num_classes, dtype=torch.bool, device=cfg.device)
         current[tasks[t]] = True
         probe = Probe(factors, cfg.lora_scale, current, cfg.device) if t > 0 else None
         acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg, probe)
+        progress.done("eval", evaluated[t], time.time() - e0)
         learner.acc.append(acc)
         learner.aware.append(aware)
         learner.sample_acc.append(sample)
@@ -869,7 +923,10 @@ def run_seed(cfg, seed, base_model, splits, save, resume=None, log=print):
 # ==================================================================================================
 def summarize(runs):
     """Mean and std over seeds of ACC, MAA, BWT, and of the same three for task-aware accuracy."""
-    stats = lambda v: {"mean": statistics.fmean(v), "std": statistics.pstdev(v)}
+    def stats(v):  # undefined (None) if any run's is, as BWT with one task
+        undefined = any(x is None for x in v)
+        return {"mean": None if undefined else statistics.fmean(v),
+                "std": None if undefined else statistics.pstdev(v)}
     out = {key: stats([r[key] for r in runs]) for key in ("ACC", "MAA", "BWT")}
     out["sample_ACC"] = stats([r["sample_acc"][-1] for r in runs])  # over the final test samples
     out["task_aware"] = {key: stats([r["task_aware"][key] for r in runs])
@@ -1005,8 +1062,8 @@ def _time_loader(cfg):
     try:
         splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, 0.0, 1.0,
                                    download=False)
-    except data.DataError as e:
-        print(f"data loader not timed: {e}")
+    except data.DataError:
+        print(f"data loader not timed: no {cfg.dataset} files in {_q(cfg.data_dir)} (--data-dir)")
         return None
     device = torch.device(cfg.device)
     loader = data.make_loader(splits.train, cfg.batch_size, True, cfg.workers, 0, device)
@@ -1242,29 +1299,68 @@ def plot_time(table, out):
     plt.close(fig)
 
 
-RESUME_FREE = ("out", "resume", "device", "workers")  # flags that may differ on --resume
-CHECKPOINT_FORMAT = 3  # raised whenever checkpoint.pt's content changes: old files are refused
+# ==================================================================================================
+# The run's folder: resume, checkpoint, lock, interruption, summary, the command line
+# ==================================================================================================
+RESUME_FREE = ("out", "resume", "device", "workers", "compile")  # may change on --resume
+CHECKPOINT_FORMAT = 4  # raised whenever checkpoint.pt's content changes: old files are refused
 
 
-def load_checkpoint(cfg):
-    """The state saved in --resume DIR, after checking that it belongs to the same configuration."""
-    path = os.path.join(cfg.resume, "checkpoint.pt")
-    _require(os.path.isfile(path), f"--resume {cfg.resume}: no checkpoint.pt there; start a new "
-             "run with --out instead")
+def _q(path):
+    """A path as one shell word, so that a suggested command can be pasted as it is."""
+    return shlex.quote(str(path))
+
+
+def check_folder(folder, flag):
+    """Refuse now, before any data or model loads, a run folder that cannot be made or written."""
+    _require(folder != "", f"{flag} \"\": name a folder")
+    nearest = os.path.abspath(folder)
+    while not os.path.exists(nearest):  # the deepest part that exists: where the rest is made
+        nearest = os.path.dirname(nearest)
+    _require(os.path.isdir(nearest), f"{flag} {_q(folder)}: {_q(nearest)} is a file, not a "
+             f"folder; choose another {flag}")
+    _require(os.access(nearest, os.W_OK | os.X_OK), f"{flag} {_q(folder)}: {_q(nearest)} cannot "
+             "be written (read-only); choose a folder you can write")
+
+
+def read_checkpoint(folder):
+    """checkpoint.pt of a run folder, checked: there, readable, ours and of this version."""
+    path = os.path.join(folder, "checkpoint.pt")
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(folder, "results.json")):
+        raise ConfigError(f"--resume {_q(folder)}: its results.json stays as it is, but without "
+                          "checkpoint.pt nothing there can be continued; start a new run with "
+                          "--out ANOTHER_FOLDER")
+    _require(os.path.isfile(path), f"--resume {_q(folder)}: no checkpoint.pt there (a run saves "
+             "one after its first task); start the run again with --out")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data
     except Exception as e:  # unreadable for whatever reason: the user's to replace
-        raise ConfigError(f"--resume {cfg.resume}: checkpoint.pt cannot be read "
+        raise ConfigError(f"--resume {_q(folder)}: checkpoint.pt cannot be read "
                           f"({type(e).__name__}); remove the folder and start again") from None
     _require(isinstance(ckpt, dict) and ckpt.get("format") == CHECKPOINT_FORMAT,
-             f"--resume {cfg.resume}: checkpoint.pt was written by another version of janus_min.py "
-             "(or is not ours); finish that run with the version that wrote it, or start again")
-    old, new = ckpt["config"], asdict(cfg)
-    diff = [k for k in new if k not in RESUME_FREE and old.get(k) != new[k]]
-    changed = ", ".join(f"{k}={old.get(k)!r}, not {new[k]!r}" for k in diff)
-    _require(not diff, f"--resume {cfg.resume}: the run there used a different configuration "
-             f"({changed}); pass the same flags")
+             f"--resume {_q(folder)}: checkpoint.pt was written by another version of janus_min.py"
+             " (or is not ours); finish that run with the version that wrote it, or start again")
     return ckpt
+
+
+def resume_config(cfg, given):
+    """--resume DIR: the configuration saved in DIR, which flags typed now must agree with (but
+    device, workers, compile; and seeds may be added), and the checkpoint."""
+    folder = cfg.resume
+    if os.path.basename(os.path.normpath(folder)) == "checkpoint.pt":  # the file for its folder
+        folder = os.path.dirname(os.path.normpath(folder)) or "."
+    ckpt = read_checkpoint(folder)
+    saved = ckpt["config"]
+    clash = [k for k, v in given.items() if k not in RESUME_FREE + ("seeds",) and v != saved[k]]
+    _require(not clash, f"--resume {_q(folder)}: the run there has " + ", ".join(
+        f"--{k.replace('_', '-')} {saved[k]}" for k in clash) + "; drop those flags (--resume "
+        "alone continues it) or start a new run with --out")
+    seeds = list(given.get("seeds", saved["seeds"]))
+    _require(set(seeds) >= set(saved["seeds"]), f"--resume {_q(folder)}: its seeds are "
+             f"{' '.join(map(str, saved['seeds']))}; give those (and more, to add seeds) or none")
+    free = {k: given.get(k, cfg_default) for k, cfg_default in
+            (("device", "auto"), ("workers", cfg.workers), ("compile", saved["compile"]))}
+    return Config(**{**saved, **free, "seeds": seeds, "out": folder, "resume": folder}), ckpt
 
 
 def save_checkpoint(out, cfg, runs, current):
@@ -1275,78 +1371,194 @@ def save_checkpoint(out, cfg, runs, current):
     os.replace(tmp, os.path.join(out, "checkpoint.pt"))
 
 
+class RunLock:
+    """DIR/run.lock while a run writes to DIR: a second run refuses; a lock whose process has gone
+    (a crash, kill -9) is taken over."""
+
+    def __init__(self, folder):
+        self.path = os.path.join(folder, "run.lock")
+        self.me = f"{os.getpid()} {socket.gethostname()}"
+
+    def __enter__(self):
+        for _ in range(2):
+            try:
+                with open(self.path, "x") as f:  # created only if absent: one winner
+                    f.write(self.me)
+                return self
+            except FileExistsError:
+                pid, host = (open(self.path).read().split() + ["0", ""])[:2]
+                _require(host == socket.gethostname() and not _alive(int(pid)),
+                         f"{_q(os.path.dirname(self.path))} is in use by the run of process {pid} "
+                         f"on {host}; wait for it or choose another --out (if no run writes there "
+                         f"any more, delete {_q(self.path)})")
+                os.remove(self.path)  # its process is gone: a stale lock
+        raise ConfigError(f"{_q(self.path)}: two runs are starting in one folder; start one")
+
+    def __exit__(self, *exc):
+        os.remove(self.path)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # no signal: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return pid > 0
+
+
+class Stopped(Exception):
+    """SIGTERM, as cluster schedulers send it: handled as Ctrl-C is."""
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped
+
+
+def environment(cfg):
+    """What results.json needs to say where its numbers come from."""
+    import torchvision  # noqa: PLC0415 -- its version only
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return {"torch": torch.__version__, "torchvision": torchvision.__version__,
+            "device": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda")
+            else f"cpu ({torch.get_num_threads()} threads)",
+            "git_commit": git.stdout.strip() or None if git.returncode == 0 else None}
+
+
 def prepare(cfg):
     """Everything that can fail on bad input, before the output folder is touched."""
-    ckpt = load_checkpoint(cfg) if cfg.resume else None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-{stamp}")
-    _require(ckpt is not None or not any(os.path.exists(os.path.join(out, f))
-                                         for f in ("checkpoint.pt", "results.json")),
-             f"{out} already holds a run; continue it with --resume {out} or choose another --out")
+    out = cfg.resume or (os.path.join("runs", f"{cfg.dataset}-{stamp}") if cfg.out is None
+                         else cfg.out)
+    check_folder(out, "--resume" if cfg.resume else "--out")
+    _require(cfg.resume or not any(os.path.exists(os.path.join(out, f))
+                                   for f in ("checkpoint.pt", "results.json")),
+             f"{_q(out)} already holds a run; continue it with --resume {_q(out)} or choose another"
+             " --out")
     scale = cfg.input_range
     if scale == "checkpoint":
         scale = vit.PRETRAINED_INPUT[cfg.weights]
     mean_std = vit.MEAN_STD.get(scale, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
     splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, *mean_std, seed=0,
                                limit_per_class=cfg.limit_per_class)
-    return ckpt, out, splits, build_model(cfg)  # the backbone: loaded once, copied per seed
+    width = vit.PRESETS[cfg.model].keywords["embed_dim"]
+    if cfg.oe and cfg.memory == "oe" and cfg.k * (cfg.tasks - 1) >= width:  # the reader should know
+        full = -(-width // cfg.k)
+        print(f"note: k x (T - 1) = {cfg.k * (cfg.tasks - 1)} reaches the block width {width}: the "
+              f"memory is full after task {full} and K/V learn nothing from task {full + 1} on")
+    cfg.out = out  # results.json's config names the folder, after a resume too
+    return out, splits, build_model(cfg)  # the backbone: loaded once, copied per seed
 
 
-def print_summary(results):
-    last, summary = results["runs"][-1], results["summary"]
-    print("accuracy matrix (row t: after task t; %):")
-    for row in last["acc_matrix"]:
-        print("  " + " ".join("  -  " if a is None else f"{a:5.1f}" for a in row))
-    print("  ".join(f"{k} {summary[k]['mean']:.2f} +- {summary[k]['std']:.2f}"
-                    for k in ("ACC", "MAA", "BWT", "sample_ACC"))
-          + f"  over {len(results['runs'])} seed(s);  task-aware: "
-          + "  ".join(f"{k} {v['mean']:.2f}" for k, v in summary["task_aware"].items()))
-    print(f"time per task (s): {' '.join(f'{x:.1f}' for x in last['task_seconds'])}; total "
-          f"{sum(last['task_seconds']):.1f} s")
+def print_summary(results, log):
+    last, s, T = results["runs"][-1], results["summary"], len(results["runs"][-1]["acc_matrix"])
+    log(f"accuracy (%) on each task (columns) after each task (rows), seed {last['seed']}:")
+    log("after task | " + " ".join(f"task {i + 1:<2d}" for i in range(T)))
+    for t, row in enumerate(last["acc_matrix"]):
+        log(f"{t + 1:10d} | " + " ".join(f"{'-' if a is None else f'{a:.1f}':>7s}" for a in row))
+    stat = lambda v: "undefined" if v["mean"] is None else f"{v['mean']:.2f} +- {v['std']:.2f}"
+    log("  ".join(f"{k} {stat(s[k])}" for k in ("ACC", "MAA", "BWT", "sample_ACC")) +
+        f"  over {len(results['runs'])} seed(s); task-aware: ACC {stat(s['task_aware']['ACC'])}"
+        f"  BWT {stat(s['task_aware']['BWT'])}")
+    log("ACC: mean accuracy over the tasks after the last; MAA: mean over tasks of the accuracy on "
+        "the tasks seen so far; BWT: mean change of a task's accuracy from right after it to the "
+        "end (negative: forgetting); sample_ACC: ACC over all test samples (InfLoRA's logs); "
+        "task-aware (ours): the argmax over the true task's head only")
+    log(f"time per task (s): {' '.join(f'{x:.1f}' for x in last['task_seconds'])}; total "
+        f"{sum(last['task_seconds']):.1f} s")
+    for run in results["runs"]:
+        for warning in run["warnings"]:
+            log(f"WARNING (seed {run['seed']}): {warning}")
+
+
+def load_run(folder, device="cpu"):
+    """(cfg, Learner) of the state checkpoint.pt holds: a finished run's final model (merged K and V
+    weights, heads, prototypes, memories). The rest of the backbone comes from cfg.weights."""
+    ckpt = read_checkpoint(folder)
+    cfg = Config(**{**ckpt["config"], "device": device})
+    tasks = data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)
+    state = ckpt["current"]
+    return cfg, start_learner(cfg, state["seed"], build_model(cfg), tasks, state)
+
+
+def run_all(cfg, ckpt, out, splits, base_model, progress):
+    """Every seed not finished yet; checkpoint.pt after each task, results.json after each seed."""
+    results = {"config": asdict(cfg), "environment": environment(cfg),
+               "runs": ckpt["runs"] if ckpt else []}
+    todo = [s for s in cfg.seeds if all(r["seed"] != s for r in results["runs"])]
+    current = ckpt["current"] if ckpt else None
+    first = len(current["acc"]) if current and todo and current["seed"] == todo[0] else 0
+    train, evaluated = task_sizes(splits, data.task_classes(splits.num_classes, cfg.tasks))
+    progress.plan(sum(train) * cfg.epochs * len(todo) - sum(train[:first]) * cfg.epochs,
+                  sum(evaluated) * len(todo) - sum(evaluated[:first]))
+    for seed in todo:
+        state = {"current": current if current and current["seed"] == seed else None}
+
+        def save(snapshot):  # after each task; a finished run keeps its final state
+            state["current"] = snapshot
+            save_checkpoint(out, cfg, results["runs"], snapshot)
+        results["runs"].append(run_seed(cfg, seed, base_model, splits, save, progress,
+                                        state["current"]))
+        save_checkpoint(out, cfg, results["runs"], state["current"])
+        results["summary"] = summarize(results["runs"])  # after every seed: keep the others
+        write_json(os.path.join(out, "results.json"), results)
+    if "summary" not in results:  # --resume of a run whose seeds had all finished
+        results["summary"] = summarize(results["runs"])
+        write_json(os.path.join(out, "results.json"), results)
+    return results
+
+
+def _interrupted(out, signal_name, code):
+    saved = os.path.exists(os.path.join(out, "checkpoint.pt"))
+    print(f"\ninterrupted ({signal_name}): " + (
+        f"{_q(out)}/checkpoint.pt holds the tasks finished so far; continue with: python "
+        f"janus_min.py --resume {_q(out)}" if saved else
+        "no task had finished, so nothing was saved; start the run again"), flush=True)
+    return code
 
 
 def main(argv=None):
     cfg = parse_args(argv)
     given = to_argv(cfg)  # the flags as given, before the data set's defaults fill the rest
+    ckpt = None
     try:
+        if cfg.resume and not cfg.reproduce:
+            cfg, ckpt = resume_config(cfg, parse_args(argv, given_only=True))
         cfg = check_config(cfg)
         if cfg.benchmark:
             return benchmark(cfg)
         if cfg.reproduce:
             return reproduce(cfg, given)
-        ckpt, out, splits, base_model = prepare(cfg)
+        out, splits, base_model = prepare(cfg)
+        os.makedirs(out, exist_ok=True)
+        lock = RunLock(out).__enter__()
     except (ConfigError, vit.CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    os.makedirs(out, exist_ok=True)
-    print(f"{cfg.dataset}: {len(splits.train)} training / {len(splits.test)} test images, "
-          f"{splits.num_classes} classes, {cfg.tasks} tasks; OE {cfg.oe} GR {cfg.gr} "
-          f"({cfg.rectify}) DML {cfg.dml}; device {cfg.device}; out {out}")
-    results = {"config": asdict(cfg), "runs": ckpt["runs"] if ckpt else []}
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    progress = Progress(out)
+    progress.log(f"{cfg.dataset}: {len(splits.train)} training / {len(splits.test)} test images, "
+                 f"{splits.num_classes} classes, {cfg.tasks} tasks; {cfg.method or 'custom'}: OE "
+                 f"{cfg.oe} ({cfg.memory}) GR {cfg.gr} ({cfg.rectify}) DML {cfg.dml}; device "
+                 f"{cfg.device}; out {_q(out)}")
     try:
-        for seed in cfg.seeds:
-            if any(r["seed"] == seed for r in results["runs"]):
-                continue  # finished before an interruption
-            current = ckpt and ckpt["current"]
-            resume = current if current and current["seed"] == seed else None
-            save = functools.partial(save_checkpoint, out, cfg, results["runs"])  # by reference
-            results["runs"].append(run_seed(cfg, seed, base_model, splits, save, resume))
-            save_checkpoint(out, cfg, results["runs"], None)
-            results["summary"] = summarize(results["runs"])  # after every seed: keep the others
-            write_json(os.path.join(out, "results.json"), results)
+        results = run_all(cfg, ckpt, out, splits, base_model, progress)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: {out}/checkpoint.pt holds the last finished task; continue with "
-              f"--resume {out}")
-        return 130
+        return _interrupted(out, "Ctrl-C", 130)
+    except Stopped:
+        return _interrupted(out, "SIGTERM", 143)
     except FloatingPointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if "summary" not in results:  # --resume of a run whose seeds had all finished
-        results["summary"] = summarize(results["runs"])
-        write_json(os.path.join(out, "results.json"), results)
-    print_summary(results)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        lock.__exit__(None, None, None)
+        progress.file.close()
+    print_summary(results, print)
     plot(results, out)
-    print(f"wrote {os.path.join(out, 'results.json')}")
+    print(f"wrote {_q(os.path.join(out, 'results.json'))}")
     return 0
 
 

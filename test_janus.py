@@ -8,10 +8,15 @@ import copy
 import gzip
 import io
 import json
+import os
 import math
 import re
 import shutil
+import signal
+import socket
 import struct
+import subprocess
+import sys
 import tarfile
 import urllib.error
 import urllib.request
@@ -573,6 +578,11 @@ def test_fashion_mnist_from_written_idx(tmp_path):
     assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2])  # grey copied to three channels
     tv_layout = _fake_fashion(tmp_path / 'tv' / 'FashionMNIST' / 'raw').parent.parent
     assert len(data.load_dataset('fashion-mnist', tv_layout, 32, *MEAN_STD).train) == 40
+    for f in _fake_fashion(tmp_path / 'unpacked').iterdir():  # idx files as gunzip leaves them
+        f.with_suffix('').write_bytes(gzip.decompress(f.read_bytes()))
+        f.unlink()
+    unpacked = data.load_dataset('fashion-mnist', tmp_path / 'unpacked', 32, *MEAN_STD)
+    assert torch.equal(unpacked.test[13][0], x)
     batches = [next(iter(data.make_loader(s.train, 16, True, 2, seed=7))) for _ in range(2)]
     assert torch.equal(batches[0][0], batches[1][0]) and torch.equal(batches[0][1], batches[1][1])
     assert not torch.equal(batches[0][0], next(iter(data.make_loader(s.train, 16, True, 2, 8)))[0])
@@ -1412,7 +1422,8 @@ def tiny_run(tmp_path_factory):
 
 def test_end_to_end_results_are_consistent(tiny_run):
     res = tiny_run["res"]
-    assert tiny_run["code"] == 0 and set(res) == {"config", "runs", "summary"}
+    assert tiny_run["code"] == 0 and set(res) == {"config", "environment", "runs", "summary"}
+    assert res["environment"]["torch"] == torch.__version__ and res["config"]["out"]
     r = res["runs"][0]
     A = r["acc_matrix"]
     assert len(A) == 3 and all(len(row) == 3 for row in A)
@@ -1488,33 +1499,124 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
         assert widths == [[0] * 12, [0] * 12]
 
 
-def test_plots_when_matplotlib_is_installed(tiny_run, tmp_path):
+def test_progress_lines_go_to_log_txt_with_an_eta_that_counts_evaluation(tmp_path, capsys):
+    progress = jm.Progress(tmp_path, every=0)  # a line at every step
+    progress.plan(train=100, evaluation=30)
+    progress.done("train", 50, 5.0)  # 0.1 s an image; evaluation not timed yet: a third of that
+    assert progress.eta() == pytest.approx(50 * 0.1 + 30 * 0.1 / 3)
+    progress.done("eval", 10, 0.5)  # now timed: 0.05 s an image
+    assert progress.eta() == pytest.approx(50 * 0.1 + 20 * 0.05)
+    progress.step(lambda: "task 1/2 epoch 1/1 step 3/9")
+    progress.log("task 1 accuracy")
+    progress.file.close()
+    assert (tmp_path / "log.txt").read_text() == "task 1/2 epoch 1/1 step 3/9\ntask 1 accuracy\n"
+    assert "step 3/9" in capsys.readouterr().out
+
+
+def test_help_answers_before_torch_loads():
+    code = ("import runpy, sys\nsys.argv = ['janus_min.py', '--help']\ntry:\n"
+            "    runpy.run_path('janus_min.py', run_name='__main__')\nexcept SystemExit:\n"
+            "    print('torch loaded:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(jm.__file__).parent).stdout
+    assert "examples:" in out and "ablation (paper Table 1):" in out
+    assert out.strip().endswith("torch loaded: False")
+
+
+def test_the_configuration_names_what_data_and_vit_hold():
+    assert set(jm.DATASET_NAMES) == set(data.DATASETS) and set(jm.MODEL_NAMES) == set(vit.PRESETS)
+    grouped = " ".join(jm.GROUPS.values()).split()
+    assert sorted(grouped) == sorted(f.name for f in jm.fields(jm.Config))  # each flag in a group
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_plots_when_matplotlib_is_installed(tiny_run, tmp_path, memory):
+    """The three plots, also of a run without a memory (every ||dW M|| undefined: a note)."""
     pytest.importorskip("matplotlib")  # optional: without it a one-line note instead
-    jm.plot(tiny_run["res"], str(tmp_path))
+    res = copy.deepcopy(tiny_run["res"])
+    if not memory:
+        res["runs"][0]["violation"] = {n: [[None] * 12] * 3 for n in "kv"}
+    jm.plot(res, str(tmp_path))
     for name in ("trajectory.png", "violation.png", "angular.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_resume_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeypatch):
-    """Ctrl-C at the end of task 3 (task 2's checkpoint written), then --resume: the same numbers
-    as the uninterrupted shared run, which also shows the runs are deterministic."""
+@pytest.mark.parametrize("stop, code", [("ctrl-c", 130), ("sigterm", 143)])
+def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeypatch, capsys, stop,
+                                                     code):
+    """Ctrl-C or SIGTERM at the end of task 3 (task 2's checkpoint written), then --resume DIR
+    alone, as the message says: the numbers of the uninterrupted shared run (so runs are also
+    deterministic)."""
     calls, real_evaluate = {"n": 0}, jm.evaluate
 
     def interrupted(*args):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 3 and stop == "ctrl-c":
             raise KeyboardInterrupt
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a cluster scheduler does
         return real_evaluate(*args)
     monkeypatch.setattr(jm, "evaluate", interrupted)
-    assert jm.main(TINY + ["--out", str(tmp_path / "b")]) == 130
+    assert jm.main(TINY + ["--out", str(tmp_path / "b")]) == code
     monkeypatch.setattr(jm, "evaluate", real_evaluate)
+    said = capsys.readouterr().out
+    assert f"continue with: python janus_min.py --resume {tmp_path / 'b'}" in said
     assert not (tmp_path / "b" / "results.json").exists()
+    assert not (tmp_path / "b" / "run.lock").exists()  # released on the way out
     ckpt = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)
     assert len(ckpt["current"]["acc"]) == 2
-    assert jm.main(TINY + ["--resume", str(tmp_path / "b")]) == 0
+    assert jm.main(["--resume", str(tmp_path / "b" / "checkpoint.pt")]) == 0  # the file: its folder
     a, b = tiny_run["res"]["runs"][0], _results(tmp_path / "b")["runs"][0]
-    for key in ("acc_matrix", "task_aware", "violation"):
+    for key in ("acc_matrix", "task_aware", "violation", "interference", "geometry"):
         assert a[key] == b[key]
+    log = (tmp_path / "b" / "log.txt").read_text()
+    assert "task 2 accuracy" in log and "seed 0: resumed after task 2" in log  # appended
+
+
+def test_ctrl_c_in_the_first_task_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(jm, "end_task", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert jm.main(TINY + ["--out", str(tmp_path / "r")]) == 130
+    assert "no task had finished, so nothing was saved" in capsys.readouterr().out
+    assert jm.main(["--resume", str(tmp_path / "r")]) == 2
+    assert "no checkpoint.pt there" in capsys.readouterr().err
+
+
+def test_a_finished_runs_checkpoint_holds_its_final_model(tiny_run):
+    """load_run rebuilds the final model from checkpoint.pt: it scores the last accuracy row."""
+    cfg, learner = jm.load_run(tiny_run["out"])
+    splits = data.load_dataset("synthetic", None, 32, (0.0,) * 3, (1.0,) * 3)
+    tasks = data.task_classes(12, 3)
+    assert len(learner.acc) == 3 and len(learner.heads) == 3 and learner.prototypes.shape[0] == 12
+    acc, aware, _ = jm.evaluate(learner.model, learner.heads, splits, tasks, cfg)
+    assert acc == tiny_run["res"]["runs"][0]["acc_matrix"][-1]
+
+
+def test_a_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    folder = tmp_path / "busy"
+    folder.mkdir()
+    (folder / "run.lock").write_text(f"{os.getppid()} {socket.gethostname()}")  # a live process
+    assert jm.main(TINY + ["--out", str(folder)]) == 2
+    assert f"is in use by the run of process {os.getppid()}" in capsys.readouterr().err
+    (folder / "run.lock").write_text(f"{2**22 + 12345} {socket.gethostname()}")  # no such process
+    assert jm.main(_flag(TINY, "--tasks", "1") + ["--epochs", "1", "--out", str(folder)]) == 0
+    assert not (folder / "run.lock").exists()
+    run = _results(folder)["runs"][0]
+    assert run["BWT"] is None and _results(folder)["summary"]["BWT"]["mean"] is None  # one task
+
+
+@pytest.mark.parametrize("flag", ["--out", "--resume"])
+def test_an_unwritable_folder_is_refused_before_anything_loads(tiny_run, tmp_path, monkeypatch,
+                                                                capsys, flag):
+    """A read-only folder, as os.access reports one (simulated: root may write anyway)."""
+    folder = tmp_path / "read-only"
+    shutil.copytree(tiny_run["out"], folder / "run")
+    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith(str(folder)))
+    loaded = []
+    monkeypatch.setattr(data, "load_dataset", lambda *a, **k: loaded.append(a))
+    argv = TINY + ["--out", str(folder / "new")] if flag == "--out" else ["--resume",
+                                                                          str(folder / "run")]
+    assert jm.main(argv) == 2 and not loaded
+    assert "cannot be written (read-only)" in capsys.readouterr().err
 
 
 def test_resume_of_a_finished_run_and_of_the_default_seeds(tiny_run, tmp_path, capsys):
@@ -1569,6 +1671,20 @@ def bad_files(tmp_path_factory, small):
     (tmp / "noresume").mkdir()
     (tmp / "oldformat").mkdir()
     torch.save({"config": {}, "runs": [], "current": None}, tmp / "oldformat" / "checkpoint.pt")
+    tv = torchvision.models.VisionTransformer(224, 16, num_layers=12, num_heads=3, hidden_dim=192,
+                                              mlp_dim=768)  # fits TINY's ViT-Ti/16
+    sd = tv.state_dict()
+    sd["encoder.ln.weight"][3] = float("nan")
+    torch.save(sd, tmp / "nan.pth")
+    torch.save(vit.vit_tiny_patch16(depth=1, img_size=32), tmp / "module.pth")  # a pickled model
+    write_safetensors(tv_to_timm(small["sd"]), tmp / "fp8.st")
+    raw = bytearray((tmp / "fp8.st").read_bytes())
+    at = raw.index(b'"F32"')
+    raw[at:at + 5] = b'"F8X"'  # a dtype we do not read, same length
+    (tmp / "fp8.st").write_bytes(bytes(raw))
+    _fake_fashion(tmp / "swapped", n_train=20, n_test=40)
+    (tmp / "afile").write_text("x")
+    (tmp / "with space").mkdir()
     return tmp
 
 
@@ -1608,6 +1724,19 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "patch-zero": (TINY + ["--patch-size", "0"], "--patch-size"),
     "img-size-negative": (TINY + ["--img-size", "-16"], "--img-size"),
     "seed-too-large": (TINY + ["--seeds", "99999999999999999999"], "--seeds"),
+    "seed-above-2^32": (TINY + ["--seeds", str(2**32)], "0 .. 2^32 - 1"),
+    "seeds-duplicated": (TINY + ["--seeds", "0", "1", "0"], "each seed once"),
+    "rank-too-wide": (TINY + ["--rank", "193"], "--rank must lie in 1..192"),
+    "lr-zero": (TINY + ["--lr", "0"], "--lr must be positive"),
+    "weights-nan": (CKPT + ["--weights", "{tmp}/nan.pth"], "NaN or inf values (encoder.ln.weight)"),
+    "weights-pickled-module": (CKPT + ["--weights", "{tmp}/module.pth"], "pickled model object"),
+    "weights-safetensors-dtype": (CKPT + ["--weights", "{tmp}/fp8.st"], "safetensors dtype F8X"),
+    "fashion-swapped": (["--dataset", "fashion-mnist", "--data-dir", "{tmp}/swapped"], "swapped"),
+    "data-dir-a-file": (["--dataset", "cifar100", "--data-dir", "{tmp}/afile"], "is a file"),
+    "path-with-a-space": (["--dataset", "fashion-mnist", "--data-dir", "{tmp}/with space/x"],
+                          "--data-dir '"),
+    "out-empty": (TINY + ["--out", ""], '--out "": name a folder'),
+    "out-under-a-file": (TINY + ["--out", "{tmp}/afile/run"], "afile is a file, not a folder"),
 }
 
 
@@ -1620,7 +1749,7 @@ def test_bad_input_gets_one_clear_line_and_leaves_dir_alone(case, bad_files, sma
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     try:
-        code = jm.main(argv + ["--out", str(out)])
+        code = jm.main(argv + ["--out", str(out)] * ("--out" not in argv))
     except SystemExit as e:  # argparse's own refusals
         code = e.code
     err = capsys.readouterr().err
@@ -1637,7 +1766,7 @@ def test_a_folder_with_a_run_a_changed_resume_a_file_out_and_a_diverging_run(tin
     assert jm.main(TINY + ["--out", str(tiny_run["out"])]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert jm.main(TINY + ["--resume", str(tiny_run["out"]), "--rank", "4"]) == 2
-    assert "different configuration" in capsys.readouterr().err
+    assert "the run there has --rank 10; drop those flags" in capsys.readouterr().err
     (tmp_path / "afile").write_text("x")
     assert jm.main(TINY + ["--out", str(tmp_path / "afile")]) == 2
     assert "is a file" in capsys.readouterr().err

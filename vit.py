@@ -210,6 +210,10 @@ def _read_safetensors(path):
         buf = bytearray(f.read())  # writable, as torch.frombuffer wants
     n = int.from_bytes(buf[:8], 'little')
     header = {k: v for k, v in json.loads(buf[8:8 + n]).items() if k != '__metadata__'}
+    for k, v in header.items():
+        if v['dtype'] not in _ST_DTYPES:
+            raise CheckpointError(f'{path}: tensor {k} has the safetensors dtype {v["dtype"]}, '
+                                  f'not one read here ({", ".join(_ST_DTYPES)}); convert it.')
     # frombuffer raises ValueError when a tensor runs past the end of a truncated file
     return {k: torch.frombuffer(buf, dtype=_ST_DTYPES[v['dtype']], count=math.prod(v['shape']),
                                 offset=8 + n + v['data_offsets'][0]).reshape(v['shape'])
@@ -231,7 +235,12 @@ def _read(path):
         if head[8:9] == b'{':
             return _read_safetensors(path), 'safetensors'
         sd = torch.load(path, map_location='cpu', weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 -- torch's unpickler fails on junk with a dozen types
+        if 'Unsupported global' in str(e):  # torch.save(model): a pickled module, not tensors
+            raise CheckpointError(f'{path} holds a pickled model object, not a state dict: save '
+                                  'torch.save(model.state_dict(), PATH) and pass that file.') from e
         why = re.split(r'\.\s|\n', str(e))[0]  # the first sentence: torch's messages run on
         raise CheckpointError(f'cannot read {path}: it is truncated, corrupt or not a checkpoint '
                               f'({type(e).__name__}: {why}); download it again or pass another '
@@ -259,7 +268,8 @@ def _download(model, source):
             torch.hub.download_url_to_file(url, path, progress=True)
         except OSError as e:  # urllib's URLError and HTTPError are OSErrors
             raise CheckpointError(f'cannot download {url} ({e}); put that file at {path} by '
-                                  'hand, or pass a local checkpoint with --weights PATH.') from e
+                                  'hand, pass a local checkpoint with --weights PATH, or try the '
+                                  'program on random weights with --weights none.') from e
     return path
 
 
@@ -317,6 +327,11 @@ def load_pretrained(model, source='in21k', verbose=True):
                               f'{model.embed_dim}, {len(model.blocks)} blocks): '
                               f'{"; ".join(problems)}; pick the preset that matches the checkpoint '
                               'or pass another file with --weights PATH.')
+    bad = [theirs[k] for k, t in ready.items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:
+        raise CheckpointError(f'{path}: {len(bad)} tensor(s) hold NaN or inf values '
+                              f'({", ".join(bad[:4])}): the file is damaged; download it again or '
+                              'pass another file with --weights PATH.')
     with torch.no_grad():  # state_dict() values are detached views of the parameters
         for ours, t in ready.items():
             target[ours].copy_(t)
