@@ -512,6 +512,7 @@ class DeviceLoader:
 
     def _batch(self, idx, boxes, flips):
         # normalised first: the resize is linear with rows that sum to 1, so this equals
-        # torchvision's order, on the small images (and grey broadcasts to 3 channels here)
-        x = (self.images[idx].float() / 255 - self.mean) / self.std  # (B, 3, H, W)
+        # torchvision's order, on the small images; grey is copied to 3 channels, as PIL's RGB
+        x = (self.images[idx].float() / 255 - self.mean) / self.std  # (B, 1 or 3, H, W)
+        x = x.expand(-1, 3, -1, -1)  # (B, 3, H, W)
         return resized_crops(x, boxes, self.spec.size, flips), self.labels[idx]

@@ -602,7 +602,10 @@ def test_pipeline_through_load_dataset_and_subset(tmp_path):
     ref = (torchvision.transforms.functional.resize(grey, [32, 32], antialias=True) - 0.5) / 0.5
     x, y = next(iter(data.make_loader(f.train_eval, 40, False, 0, seed=0)))  # test transform
     # the crop test's round-off, doubled by the division by std 0.5
-    assert float((x - ref).abs().max()) < 2e-5 and y.tolist() == f.train.targets
+    assert x.shape == (40, 3, 32, 32) and y.tolist() == f.train.targets
+    assert float((x - ref).abs().max()) < 2e-5
+    unit = data.load_dataset('fashion-mnist', tmp_path, 32, 0.0, 1.0)  # a scalar mean and std
+    assert next(iter(data.make_loader(unit.train, 8, True, 0, seed=0)))[0].shape == (8, 3, 32, 32)
     x, y = next(iter(data.make_loader(f.train, 40, True, 0, seed=0)))  # resize and flip, no crop
     gap = (x[:, None] - torch.cat([ref, ref.flip(-1)])).abs().flatten(2).amax(2)  # (40, 80)
     assert float(gap.min(1).values.max()) < 2e-5
