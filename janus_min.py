@@ -100,13 +100,15 @@ class Config:
     memory: str = _opt("oe", "the protected memory: oe, each task's OE basis joins it (ours); "
                        "oe-rolling, one OE basis per block is it (the paper's words); gpm, GPM's "
                        "pass after each task (Table 5)", choices=["oe", "oe-rolling", "gpm"])
-    gpm_threshold: list = _opt(None, "GPM's energy threshold at the first and last task (default: "
-                               "InfLoRA's, 0.95 1.0; ImageNet-R 0.98 1.0)", nargs=2, type=float)
+    gpm_threshold: list = _opt(None, "GPM's energy threshold, lamb lame: task t of T gets lamb + "
+                               "(lame - lamb) t / T, t from 0 (InfLoRA's; default 0.95 1.0, "
+                               "ImageNet-R 0.98 1.0)", nargs=2, type=float)
     lora_a: str = _opt("trained", "each task's A: trained (paper), or designed from the task's "
                        "K/V inputs off the memory and frozen (InfLoRA)",
                        choices=["trained", "inflora"])
-    method: str = _opt(None, "a method of the paper's tables as a preset of flags; later flags "
-                       "override it (README, 'Methods')", choices=sorted(METHODS))
+    method: str = _opt(None, "a method of the paper's tables as a preset of flags, put first: "
+                       "later flags override its values (not its --no-... switches; README, "
+                       "'Methods')", choices=sorted(METHODS))
     input_range: str = _opt("unit", "unit: [0, 1] as the InfLoRA codebase (paper); checkpoint: as "
                             "a named --weights was trained; half: [-1, 1]; imagenet: its mean, std",
                             choices=["unit", "checkpoint", "half", "imagenet"])
@@ -297,8 +299,9 @@ class OnlineSubspace:
         grad = -(CV - V @ (V.mT @ CV))  # the Euclidean gradient of Eq. (8) at an orthonormal V
         S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: finite
         lr = self.lr * self.decay_steps / (self.decay_steps + self.steps)  # harmonic decay (ours)
-        # Eq. (9), preconditioned by S^-1 (ours): scale-free, and lr = 1 is one subspace iteration
-        V_tilde = V - lr * _spd_solve(S, grad.mT).mT
+        # Eq. (9), preconditioned by S^-1 (ours): scale-free, and lr = 1 is one subspace iteration;
+        # S's ridge can lie below float32's round-off where one direction dominates: float64
+        V_tilde = V - lr * _spd_solve(S.double(), grad.mT.double()).mT.to(V.dtype)
         Q, R = torch.linalg.qr(V_tilde)  # Eq. (10)
         signs = R.diagonal(dim1=-2, dim2=-1).sign()
         V = Q * torch.where(signs == 0, 1.0, signs)[..., None, :]  # R's diagonal > 0: no flips
@@ -345,8 +348,8 @@ def metrics(acc):
 
 @torch.no_grad()
 def violation(layer):
-    """||dW M||_F / ||dW||_F of the layer's task update dW = s B A, from r x r products only;
-    None where it is undefined (no memory yet, or no update, as under a full memory)."""
+    """||dW M||_F / ||dW||_F of the layer's task update dW = s B A, never forming dW; None where
+    it is undefined (no memory yet, or no update, as under a full memory)."""
     A, B, M = layer.A, layer.B, layer.memory
     den = ((B.T @ B) * (A @ A.T)).sum().clamp_min(0).sqrt()  # ||B A||_F^2 = tr(B^T B A A^T)
     if M.shape[1] == 0 or den == 0:
@@ -358,6 +361,8 @@ def violation(layer):
 def train_step(model, head, opt, images, y, cfg, subspace, prototypes):
     """One training step, in the paper's order. y: labels local to the task. -> (loss, correct)."""
     layers, online = [layer for _, _, layer in model.lora_layers()], cfg.oe and cfg.memory != "gpm"
+    if online and cfg.memory == "oe-rolling":  # the paper's words read literally: V is the memory
+        set_memories(model, subspace.basis)  # as it stands: both projections of the step use it
     # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11)
     with autocast(images.device, cfg):
         z, kv_inputs = model.encode(images) if online else (model(images), None)
@@ -372,8 +377,6 @@ def train_step(model, head, opt, images, y, cfg, subspace, prototypes):
     if online:
         subspace.update([X.detach().flatten(0, 1) for X in kv_inputs])  # (B*N, D) per block
         del kv_inputs  # released before the backward pass peaks
-        if cfg.memory == "oe-rolling":  # the paper's words read literally: V is the memory
-            set_memories(model, subspace.basis)
     # (2) backward: the raw gradient, and at once (3) the safe gradient, Theorem 1, Eq. (3):
     # vit.LoRALinear.forward holds A's part in span(M) constant, so autograd returns
     # gA = s B^T G (I - M M^T) and gB = s G (I - M M^T) A^T, the chain rule of G_safe.
@@ -406,8 +409,9 @@ def set_memories(model, memories):
 # Our additions: --rectify update (README, "--rectify grad and update")
 # ==================================================================================================
 def least_norm_split(dA, dB, A, B):
-    """Of the steps with the composite B dA + dB A, the one of least ||dA||^2 + ||dB||^2. They
-    differ by (C A, -B C); the best C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T."""
+    """Of the steps (dA + C A, dB - B C), which keep the composite B dA + dB A, the one of least
+    ||dA||^2 + ||dB||^2: C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T. With A and B of full
+    rank r these are all the steps with that composite (README)."""
     P, Q = B.mT @ B, A @ A.mT  # (..., r, r)
     r, I = P.shape[-1], torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)
     # row-major vec(P C + C Q) = (P kron I + I kron Q) vec(C): an r^2 x r^2 positive semidefinite
@@ -454,7 +458,7 @@ def rectified_adam_step_(opt, layers, delta):
 
 # ==================================================================================================
 # The paper's comparisons: GPM (LoRA-GPM, Table 5) and InfLoRA (Tables 2, 3), computed as the
-# InfLoRA codebase does (README, "Baselines")
+# InfLoRA codebase does, but where the README's "Methods" says otherwise
 # ==================================================================================================
 @torch.no_grad()
 def kv_covariance(model, loader, cfg):
@@ -482,7 +486,8 @@ def gpm_extend(M, C, threshold):
 
 
 def gpm_threshold(cfg, t):
-    """InfLoRA's schedule of the GPM threshold: lamb at the first task towards lame at the last."""
+    """InfLoRA's schedule of the GPM threshold: lamb at the first task (t = 0), rising by
+    (lame - lamb) / T a task; lame itself is never reached."""
     lamb, lame = cfg.gpm_threshold
     return lamb + (lame - lamb) * t / cfg.tasks
 
