@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -204,6 +205,67 @@ import torch.nn.functional as F  # noqa: E402
 
 import data  # noqa: E402
 import vit  # noqa: E402
+
+
+# ---- The configuration, checked (with the data sets' protocol and the device) --------------------
+def _require(ok, message):
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_config(cfg):
+    """Fill the data set's defaults; refuse impossible values with a line that says what to do."""
+    info, width = data.DATASETS[cfg.dataset], vit.PRESETS[cfg.model].keywords["embed_dim"]
+    for key in ("tasks", "epochs", "batch_size", "img_size"):
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, info[key])
+    cfg.gpm_threshold = list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset, (0.95, 1.0)))
+    cfg.seeds = list(cfg.seeds)  # one form (a typed --seeds is a list) for --resume's comparison
+    floats = [f.name for f in fields(Config) if f.type is float]
+    _require(all(math.isfinite(getattr(cfg, n)) for n in floats),
+             "--" + ", --".join(n.replace("_", "-") for n in floats) + " must be finite numbers")
+    _require(all(0 <= s < 2**32 for s in cfg.seeds), "--seeds must lie in 0 .. 2^32 - 1")
+    _require(len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: each seed once")
+    _require(cfg.img_size >= 1 and cfg.patch_size >= 1, "--img-size and --patch-size must be >= 1")
+    _require(cfg.tasks >= 1 and info["num_classes"] % cfg.tasks == 0, f"--tasks {cfg.tasks} does "
+             f"not divide the {info['num_classes']} classes of {cfg.dataset}")
+    _require(cfg.epochs >= 1, "--epochs must be at least 1")
+    _require(cfg.batch_size >= 1, "--batch-size must be at least 1")
+    _require(1 <= cfg.rank <= width, f"--rank must lie in 1..{width} (the width of {cfg.model})")
+    _require(1 <= cfg.k <= width, f"--k must lie in 1..{width} (the block width of {cfg.model})")
+    _require(cfg.lr > 0, "--lr must be positive")
+    _require(min(cfg.margin, cfg.lambda_dml) >= 0, "--margin and --lambda-dml must not be negative")
+    _require(cfg.tau > 0, "--tau must be positive")
+    _require(cfg.lora_scale > 0, "--lora-scale must be positive")
+    _require(cfg.weights == "none" or cfg.patch_size == 16,
+             "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)")
+    _require(cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size")
+    _require(cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
+             "--input-range checkpoint needs a named --weights; a file does not say how it was "
+             "normalised: pass --input-range half (Google npz) or imagenet (DINO, torchvision)")
+    _require(cfg.limit_per_class is None or cfg.limit_per_class >= 1,
+             "--limit-per-class must be at least 1")
+    _require(cfg.workers >= 0, "--workers must not be negative")
+    _require(0 < cfg.gpm_threshold[0] <= cfg.gpm_threshold[1] <= 1,
+             "--gpm-threshold takes two numbers 0 < first <= last <= 1")
+    _require(cfg.lora_a == "trained" or not cfg.gr,
+             "--lora-a inflora freezes A, and GR needs a trainable A: add --no-gr")
+    _require(not cfg.reproduce or not (cfg.method or cfg.resume),
+             "--reproduce chooses its rows' methods and resumes them: drop --method and --resume")
+    rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
+    _require(cfg.row is None or cfg.row in rows, f"--row {cfg.row}: --reproduce {cfg.reproduce} "
+             f"has the rows {', '.join(rows) or 'of a table: add --reproduce NAME'}")
+    _require(min(cfg.delta, cfg.oe_lr, cfg.oe_decay_steps, cfg.steps) > 0,
+             "--delta, --oe-lr, --oe-decay-steps and --steps must be positive")
+    _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device),
+             f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = torch.cuda.device_count()
+    _require(not cfg.device.startswith("cuda") or int(cfg.device.partition(":")[2] or 0) < gpus,
+             f"--device {cfg.device} asked for, but torch sees {gpus} GPU(s); use --device cpu or "
+             "an index below that")
+    return cfg
 
 
 # ==================================================================================================
@@ -547,66 +609,6 @@ def dml_geometry(z, y, prototypes, old, bins=20):
             "cos_own": [round(v, 4) for v in cos_own.tolist()]}
 
 
-def _require(ok, message):
-    if not ok:
-        raise ConfigError(message)
-
-
-def check_config(cfg):
-    """Fill the data set's defaults; refuse impossible values with a line that says what to do."""
-    info, width = data.DATASETS[cfg.dataset], vit.PRESETS[cfg.model].keywords["embed_dim"]
-    for key in ("tasks", "epochs", "batch_size", "img_size"):
-        if getattr(cfg, key) is None:
-            setattr(cfg, key, info[key])
-    cfg.gpm_threshold = list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset, (0.95, 1.0)))
-    cfg.seeds = list(cfg.seeds)  # one form (a typed --seeds is a list) for --resume's comparison
-    floats = [f.name for f in fields(Config) if f.type is float]
-    _require(all(math.isfinite(getattr(cfg, n)) for n in floats),
-             "--" + ", --".join(n.replace("_", "-") for n in floats) + " must be finite numbers")
-    _require(all(0 <= s < 2**32 for s in cfg.seeds), "--seeds must lie in 0 .. 2^32 - 1")
-    _require(len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: each seed once")
-    _require(cfg.img_size >= 1 and cfg.patch_size >= 1, "--img-size and --patch-size must be >= 1")
-    _require(cfg.tasks >= 1 and info["num_classes"] % cfg.tasks == 0, f"--tasks {cfg.tasks} does "
-             f"not divide the {info['num_classes']} classes of {cfg.dataset}")
-    _require(cfg.epochs >= 1, "--epochs must be at least 1")
-    _require(cfg.batch_size >= 1, "--batch-size must be at least 1")
-    _require(1 <= cfg.rank <= width, f"--rank must lie in 1..{width} (the width of {cfg.model})")
-    _require(1 <= cfg.k <= width, f"--k must lie in 1..{width} (the block width of {cfg.model})")
-    _require(cfg.lr > 0, "--lr must be positive")
-    _require(min(cfg.margin, cfg.lambda_dml) >= 0, "--margin and --lambda-dml must not be negative")
-    _require(cfg.tau > 0, "--tau must be positive")
-    _require(cfg.lora_scale > 0, "--lora-scale must be positive")
-    _require(cfg.weights == "none" or cfg.patch_size == 16,
-             "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)")
-    _require(cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size")
-    _require(cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
-             "--input-range checkpoint needs a named --weights; a file does not say how it was "
-             "normalised: pass --input-range half (Google npz) or imagenet (DINO, torchvision)")
-    _require(cfg.limit_per_class is None or cfg.limit_per_class >= 1,
-             "--limit-per-class must be at least 1")
-    _require(cfg.workers >= 0, "--workers must not be negative")
-    _require(0 < cfg.gpm_threshold[0] <= cfg.gpm_threshold[1] <= 1,
-             "--gpm-threshold takes two numbers 0 < first <= last <= 1")
-    _require(cfg.lora_a == "trained" or not cfg.gr,
-             "--lora-a inflora freezes A, and GR needs a trainable A: add --no-gr")
-    _require(not cfg.reproduce or not (cfg.method or cfg.resume),
-             "--reproduce chooses its rows' methods and resumes them: drop --method and --resume")
-    rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
-    _require(cfg.row is None or cfg.row in rows, f"--row {cfg.row}: --reproduce {cfg.reproduce} "
-             f"has the rows {', '.join(rows) or 'of a table: add --reproduce NAME'}")
-    _require(min(cfg.delta, cfg.oe_lr, cfg.oe_decay_steps, cfg.steps) > 0,
-             "--delta, --oe-lr, --oe-decay-steps and --steps must be positive")
-    _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device),
-             f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpus = torch.cuda.device_count()
-    _require(not cfg.device.startswith("cuda") or int(cfg.device.partition(":")[2] or 0) < gpus,
-             f"--device {cfg.device} asked for, but torch sees {gpus} GPU(s); use --device cpu or "
-             "an index below that")
-    return cfg
-
-
 # ==================================================================================================
 # The class-incremental task loop: a Learner is trained task by task (train_task, end_task)
 # ==================================================================================================
@@ -746,19 +748,26 @@ def start_learner(cfg, seed, base_model, tasks, resume=None):
 
 class Progress:
     """The run's progress lines, to the console (flushed; in place on a terminal) and to DIR/log.txt
-    (appended on resume); within an epoch at least every `every` seconds; with the run's ETA,
-    evaluation included (its images are timed apart from the training's)."""
+    (appended on resume). While a task trains, a heartbeat thread writes the loop's latest state
+    at least every `every` seconds, however long a step takes (minutes for ViT-B on a CPU), with
+    the run's ETA, evaluation included (its images are timed apart from the training's)."""
 
     def __init__(self, folder, every=30.0):
         self.file = open(os.path.join(folder, "log.txt"), "a", encoding="utf-8")
         self.tty, self.every, self.last = sys.stdout.isatty(), every, time.time()
         self.seconds, self.images = {"train": 0.0, "eval": 0.0}, {"train": 0, "eval": 0}
         self.left = {"train": 0, "eval": 0}  # images still to pass, set by plan()
+        self.describe, self.lock, self.stop = None, threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
 
-    def log(self, line):
-        print("\r\033[K" * self.tty + line, flush=True)  # on a terminal: over the in-place line
-        self.file.write(line + "\n")
-        self.file.flush()
+    def log(self, line, in_place=False):
+        with self.lock:  # the heartbeat writes too
+            print("\r\033[K" * self.tty + line, end="" if in_place else "\n", flush=True)
+            if not in_place:
+                self.file.write(line + "\n")
+                self.file.flush()
+            self.last = time.time()
 
     def plan(self, train, evaluation):
         self.left = {"train": train, "eval": evaluation}
@@ -776,13 +785,23 @@ class Progress:
         return self.left["train"] * train + self.left["eval"] * evaluate
 
     def step(self, describe):
-        """Within an epoch: describe() as a line every `every` s, or in place every 1 s on a tty."""
-        if time.time() - self.last >= (1.0 if self.tty else self.every):
-            if self.tty:
-                print("\r\033[K" + describe(), end="", flush=True)
-            else:
-                self.log(describe())
-            self.last = time.time()
+        """The training loop's latest state, as a function that words it (None: not training)."""
+        self.describe = describe
+
+    def beat(self):
+        """A line of the loop's state if none came for `every` s; in place each second on a tty."""
+        describe = self.describe
+        if describe and time.time() - self.last >= (1.0 if self.tty else self.every):
+            self.log(describe(), in_place=self.tty)
+
+    def _beat(self):
+        while not self.stop.wait(1.0):
+            self.beat()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        self.file.close()
 
 
 def start_task(learner, t, tasks, splits, cfg):
@@ -817,18 +836,20 @@ def train_task(learner, t, classes, splits, cfg, progress):
     learner.throughput.append([])
     where, first = f"task {t + 1}/{cfg.tasks}", None
     for epoch in range(cfg.epochs):
-        e0, loss_sum, correct, seen = time.time(), 0.0, 0, 0
-        for step, (images, y) in enumerate(loader, 1):
+        e0, loss_sum, correct, seen, steps = time.time(), 0.0, 0, 0, 0
+        progress.step(lambda: f"{where} epoch {epoch + 1}/{cfg.epochs}: {steps}/{len(loader)} "
+                      f"steps done" + (f", loss {float(loss_sum) / seen:.4f}, "
+                                       f"{seen / (time.time() - e0):.1f} img/s, ETA "
+                                       f"{progress.eta() / 60:.1f} min" if seen else ""))
+        for images, y in loader:
             t0, images, y = time.time(), images.to(device, non_blocking=True), local[y.to(device)]
             loss, right = train_step(model, head, opt, images, y, cfg, learner.subspace,
                                      learner.prototypes)
             loss_sum, correct, seen = loss_sum + loss * len(y), correct + right, seen + len(y)
             first = float(loss) if first is None else first  # a sync a task: the divergence mark
             progress.done("train", len(y), time.time() - t0)
-            progress.step(lambda: f"{where} epoch {epoch + 1}/{cfg.epochs} step {step}/"
-                          f"{len(loader)}  loss {float(loss_sum) / seen:.4f}  "
-                          f"{seen / (time.time() - e0):7.1f} img/s  "
-                          f"ETA {progress.eta() / 60:.1f} min")
+            steps += 1  # the heartbeat reads these, live
+        progress.step(None)
         sched.step()
         if not torch.isfinite(loss_sum):  # a diverged run must not go on to write results
             raise FloatingPointError(
@@ -993,9 +1014,10 @@ def plot_violation(plt, run, path):
                 continue
             ax.bar([i + 1 + off for i in range(len(means))], [m or 0 for m in means], width=0.4,
                    label=name.upper())
-        ax.set(xlabel="block", ylabel=ylabel, title="mean over tasks 2..T")
+        ax.set(xlabel="block", ylabel=ylabel, title=f"mean over tasks 2..T, seed {run['seed']}")
         if ax.patches:
-            ax.legend()
+            ax.set(xticks=range(1, len(means) + 1), ylim=(0, ax.get_ylim()[1] * 1.2))
+            ax.legend(ncol=2, loc="upper left")  # above the bars: the 20% headroom
         else:  # no memory (OE off), or a single task: nothing is defined
             ax.text(0.5, 0.5, "undefined: no memory or one task", ha="center",
                     transform=ax.transAxes)
@@ -1015,7 +1037,8 @@ def plot_angular(plt, run, path):
     left.axvline(0.2, color="green", ls=":", label=f"safe < 0.2: {g['safe']:.3f}")
     left.set(xlabel="cos_old: largest similarity to an old prototype",
              ylabel="cos_own: similarity to its own prototype", xlim=(-0.2, 1), ylim=(-0.2, 1),
-             title=f"task {t}'s test samples; cos_old > cos_own: {g['closer_to_old']:.3f}")
+             title=f"seed {run['seed']}, task {t}'s test samples; cos_old > cos_own: "
+                   f"{g['closer_to_old']:.3f}")
     left.legend(fontsize=8)
     for t, g in tasks:
         bins = torch.linspace(-1, 1, len(g["hist"]) + 1)
@@ -1253,7 +1276,8 @@ def write_table(cfg, out, rows):
         if not runs:
             table["missing"].append(row)
             continue
-        table["rows"][row] = {"flags": " ".join(flags), "seeds": len(runs), **_row_summary(runs),
+        table["rows"][row] = {"flags": " ".join(flags) or "(none)", "seeds": len(runs),
+                              **_row_summary(runs),
                               "paper": dict(zip(("ACC", "MAA", "BWT"), paper.get(row, ())))}
     write_json(os.path.join(out, "table.json"), table)
     with open(os.path.join(out, "table.md"), "w") as f:
@@ -1560,7 +1584,7 @@ def main(argv=None):
     finally:
         signal.signal(signal.SIGTERM, previous)
         lock.__exit__(None, None, None)
-        progress.file.close()
+        progress.close()
     print_summary(results, print)
     plot(results, out)
     print(f"wrote {_q(os.path.join(out, 'results.json'))}")

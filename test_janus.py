@@ -1503,15 +1503,18 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
 
 
 def test_progress_lines_go_to_log_txt_with_an_eta_that_counts_evaluation(tmp_path, capsys):
-    progress = jm.Progress(tmp_path, every=0)  # a line at every step
+    progress = jm.Progress(tmp_path, every=0)  # a heartbeat line whenever asked
     progress.plan(train=100, evaluation=30)
     progress.done("train", 50, 5.0)  # 0.1 s an image; evaluation not timed yet: a third of that
     assert progress.eta() == pytest.approx(50 * 0.1 + 30 * 0.1 / 3)
     progress.done("eval", 10, 0.5)  # now timed: 0.05 s an image
     assert progress.eta() == pytest.approx(50 * 0.1 + 20 * 0.05)
     progress.step(lambda: "task 1/2 epoch 1/1 step 3/9")
+    progress.beat()  # what the heartbeat thread does: a line, as none came for `every` s
+    progress.step(None)
+    progress.beat()  # not training: nothing
     progress.log("task 1 accuracy")
-    progress.file.close()
+    progress.close()
     assert (tmp_path / "log.txt").read_text() == "task 1/2 epoch 1/1 step 3/9\ntask 1 accuracy\n"
     assert "step 3/9" in capsys.readouterr().out
 
