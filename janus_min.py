@@ -237,7 +237,7 @@ def check_config(cfg):
     _require(min(cfg.margin, cfg.lambda_dml) >= 0, "--margin and --lambda-dml must not be negative")
     _require(cfg.tau > 0, "--tau must be positive")
     _require(cfg.lora_scale > 0, "--lora-scale must be positive")
-    _require(cfg.weights == "none" or cfg.patch_size == 16,
+    _require(cfg.weights == "none" or cfg.patch_size == 16 or cfg.benchmark,  # it: random ones
              "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)")
     _require(cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size")
     _require(cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
