@@ -1486,6 +1486,16 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
         seen["widths"].append([m.shape[1] for m in learner.memory])
         return factors
     monkeypatch.setattr(jm, "end_task", end_task)
+    real_step, projected = jm.train_step, []
+
+    def train_step(model, head, opt, images, y, cfg, subspace, prototypes):  # rolling: V projects
+        basis = subspace.basis.clone()
+        out = real_step(model, head, opt, images, y, cfg, subspace, prototypes)
+        projected.append(all(torch.equal(layer.memory, basis[i])
+                             for i, _, layer in model.lora_layers()))
+        return out
+    if method == "janus-rolling":
+        monkeypatch.setattr(jm, "train_step", train_step)
     argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1") + ["--method", method]
     assert jm.main(argv + ["--out", str(tmp_path)]) == 0
     r = _results(tmp_path)["runs"][0]
@@ -1496,8 +1506,8 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
         assert max(r["violation"]["k"][1] + r["violation"]["v"][1]) < 1e-5
     if method.startswith("lora-gpm") or method == "inflora":
         assert 0 < min(widths[0]) and all(b >= a for a, b in zip(widths[0], widths[1]))
-    if method == "janus-rolling":
-        assert widths == [[8] * 12, [8] * 12]
+    if method == "janus-rolling":  # each step projects with the basis as it stood
+        assert widths == [[8] * 12, [8] * 12] and len(projected) == 2 * 18 and all(projected)
     if method == "finetune":
         assert widths == [[0] * 12, [0] * 12]
 
@@ -1776,7 +1786,11 @@ def test_a_folder_with_a_run_a_changed_resume_a_file_out_and_a_diverging_run(tin
     (tmp_path / "afile").write_text("x")
     assert jm.main(TINY + ["--out", str(tmp_path / "afile")]) == 2
     assert "is a file" in capsys.readouterr().err
-    # a diverging run stops at the epoch's end with one line, not a results.json of nonsense
+    # a loss that grows by orders of magnitude is flagged; a non-finite one stops the run
+    big = tmp_path / "big"
+    assert jm.main(_flag(TINY, "--tasks", "1") + ["--lr", "10", "--out", str(big)]) == 0
+    assert "WARNING: the loss is diverging" in (big / "log.txt").read_text()
+    assert "not a valid run" in _results(big)["runs"][0]["warnings"][0]
     assert jm.main(TINY + ["--lr", "1e30", "--out", str(tmp_path / "nan")]) == 2
     assert "the loss is nan" in capsys.readouterr().err
     assert not (tmp_path / "nan" / "results.json").exists()
