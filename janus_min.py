@@ -10,7 +10,6 @@ ICML 2026; InfLoRA (Liang & Li, CVPR 2024) for the protocol; LoRA-Pro (Wang et a
 import argparse
 import collections
 import copy
-import functools
 import json
 import math
 import os
@@ -1408,14 +1407,15 @@ class RunLock:
         self.path = os.path.join(folder, "run.lock")
         self.me = f"{os.getpid()} {socket.gethostname()}"
 
-    def __enter__(self):
+    def acquire(self):
         for _ in range(2):
             try:
                 with open(self.path, "x") as f:  # created only if absent: one winner
                     f.write(self.me)
-                return self
+                return
             except FileExistsError:
-                pid, host = (open(self.path).read().split() + ["0", ""])[:2]
+                with open(self.path) as f:
+                    pid, host = (f.read().split() + ["0", ""])[:2]
                 _require(host == socket.gethostname() and not _alive(int(pid)),
                          f"{_q(os.path.dirname(self.path))} is in use by the run of process {pid} "
                          f"on {host}; wait for it or choose another --out (if no run writes there "
@@ -1423,18 +1423,20 @@ class RunLock:
                 os.remove(self.path)  # its process is gone: a stale lock
         raise ConfigError(f"{_q(self.path)}: two runs are starting in one folder; start one")
 
-    def __exit__(self, *exc):
+    def release(self):
         os.remove(self.path)
 
 
 def _alive(pid):
+    if pid <= 0:  # no process of ours: a damaged lock
+        return False
     try:
         os.kill(pid, 0)  # no signal: only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, another user's
         return True
-    return pid > 0
+    return True
 
 
 class Stopped(Exception):
@@ -1449,11 +1451,15 @@ def environment(cfg):
     """What results.json needs to say where its numbers come from."""
     import torchvision  # noqa: PLC0415 -- its version only
     here = os.path.dirname(os.path.abspath(__file__))
-    git = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True)
+    try:
+        git = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or None  # none outside a git checkout
+    except OSError:  # no git on this machine
+        git = None
     return {"torch": torch.__version__, "torchvision": torchvision.__version__,
             "device": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda")
             else f"cpu ({torch.get_num_threads()} threads)",
-            "git_commit": git.stdout.strip() or None if git.returncode == 0 else None}
+            "git_commit": git}
 
 
 def prepare(cfg):
@@ -1562,7 +1568,8 @@ def main(argv=None):
             return reproduce(cfg, given)
         out, splits, base_model = prepare(cfg)
         os.makedirs(out, exist_ok=True)
-        lock = RunLock(out).__enter__()
+        lock = RunLock(out)
+        lock.acquire()
     except (ConfigError, vit.CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1583,7 +1590,7 @@ def main(argv=None):
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
-        lock.__exit__(None, None, None)
+        lock.release()
         progress.close()
     print_summary(results, print)
     plot(results, out)
