@@ -334,6 +334,7 @@ def test_named_source_offline_message(tmp_path, monkeypatch):
         with pytest.raises(vit.CheckpointError) as e:
             vit.load_pretrained(model, source)
         assert url in str(e.value) and '--weights PATH' in str(e.value)
+        assert '--weights none' in str(e.value)  # a quick try without the weights
         assert str(tmp_path / 'checkpoints' / url.rsplit('/', 1)[1]) in str(e.value)
     with pytest.raises(vit.CheckpointError, match="no 'dino' weights for a ViT with width 192"):
         vit.load_pretrained(vit.vit_tiny_patch16(depth=1), 'dino')
@@ -1753,6 +1754,8 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
                           "--data-dir '"),
     "out-empty": (TINY + ["--out", ""], '--out "": name a folder'),
     "out-under-a-file": (TINY + ["--out", "{tmp}/afile/run"], "afile is a file, not a folder"),
+    "reproduce-unknown-row": (TINY + ["--reproduce", "gr-plugin", "--row", "7"],
+                              "has the rows lora-gpm, lora-gpm-gr"),
 }
 
 
@@ -1786,14 +1789,50 @@ def test_a_folder_with_a_run_a_changed_resume_a_file_out_and_a_diverging_run(tin
     (tmp_path / "afile").write_text("x")
     assert jm.main(TINY + ["--out", str(tmp_path / "afile")]) == 2
     assert "is a file" in capsys.readouterr().err
-    # a loss that grows by orders of magnitude is flagged; a non-finite one stops the run
+    # a non-finite loss stops the run with one line, not a results.json of nonsense
+    assert jm.main(TINY + ["--lr", "1e30", "--out", str(tmp_path / "nan")]) == 2
+    assert "the loss is nan" in capsys.readouterr().err
+    assert not (tmp_path / "nan" / "results.json").exists()
+
+
+def test_a_loss_grown_by_orders_of_magnitude_is_flagged_not_written_up_as_valid(tmp_path):
     big = tmp_path / "big"
     assert jm.main(_flag(TINY, "--tasks", "1") + ["--lr", "10", "--out", str(big)]) == 0
     assert "WARNING: the loss is diverging" in (big / "log.txt").read_text()
     assert "not a valid run" in _results(big)["runs"][0]["warnings"][0]
-    assert jm.main(TINY + ["--lr", "1e30", "--out", str(tmp_path / "nan")]) == 2
-    assert "the loss is nan" in capsys.readouterr().err
-    assert not (tmp_path / "nan" / "results.json").exists()
+
+
+def test_bwt_is_undefined_with_one_task():
+    assert jm.metrics([[80.0]])["BWT"] is None
+    run = {"ACC": 80.0, "MAA": 80.0, "BWT": None, "sample_acc": [80.0],
+           "task_aware": {"ACC": 80.0, "MAA": 80.0, "BWT": None}}
+    assert jm.summarize([run])["BWT"] == {"mean": None, "std": None}
+
+
+def test_resume_of_a_folder_with_results_but_no_checkpoint(tiny_run, tmp_path, capsys):
+    shutil.copytree(tiny_run["out"], tmp_path / "r")
+    (tmp_path / "r" / "checkpoint.pt").unlink()
+    assert jm.main(["--resume", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "its results.json stays as it is" in err and "start a new run with --out" in err
+
+
+def test_resume_adds_seeds_to_a_finished_run_and_refuses_dropping_them(tiny_run, tmp_path, capsys):
+    shutil.copytree(tiny_run["out"], tmp_path / "r")
+    assert jm.main(["--resume", str(tmp_path / "r"), "--seeds", "1"]) == 2
+    assert "its seeds are 0; give those (and more, to add seeds)" in capsys.readouterr().err
+    assert jm.main(["--resume", str(tmp_path / "r"), "--seeds", "0", "1", "--workers", "3"]) == 0
+    res = _results(tmp_path / "r")
+    assert [r["seed"] for r in res["runs"]] == [0, 1]
+    assert res["runs"][0] == tiny_run["res"]["runs"][0]  # the finished seed is kept as it was
+    assert res["config"]["seeds"] == [0, 1] and res["config"]["out"] == str(tmp_path / "r")
+
+
+def test_reproduce_row_runs_that_row_alone(capsys):
+    argv = ["--reproduce", "gr-plugin", "--row", "lora-gpm-gr", "--dry-run", "--out", "R"]
+    assert jm.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
+    assert rows == ["lora-gpm-gr: python janus_min.py --method lora-gpm-gr --out R/lora-gpm-gr"]
 
 
 @pytest.mark.parametrize("flags, mean_std", [
