@@ -13,6 +13,7 @@ Sources, in data_dir (the README's "Offline" table says where each file goes):
 import gzip
 import json
 import os
+import pickle
 import shlex
 import shutil
 import struct
@@ -99,18 +100,37 @@ def _fetch(action, what, root, source, download, hint='', made=()):
 
 
 def _cifar100(root, seed, download):
-    try:
-        parts = [CIFAR100(str(root), train=t) for t in (True, False)]
-    except RuntimeError:  # absent: download it, or unpack an archive the user put there
+    folder = root / CIFAR100.base_folder
+    if not folder.is_dir():  # absent: download it, or unpack an archive the user put there
         archive = root / CIFAR100.filename
         if archive.is_file() and not check_integrity(str(archive), CIFAR100.tgz_md5):
             raise DataError(f'{archive} is incomplete or corrupt (its MD5 is not '
                             f'{CIFAR100.tgz_md5}): delete it and fetch it again from '
                             f'{CIFAR100.url}.')  # else torchvision would download it again
-        parts = _fetch(lambda: [CIFAR100(str(root), train=t, download=True) for t in (True, False)],
-                       f'CIFAR-100 ({CIFAR100.base_folder}/ or {CIFAR100.filename})', root,
-                       CIFAR100.url, download or archive.is_file())
-    return [(p.data, p.targets) for p in parts], parts[0].classes
+        _fetch(lambda: CIFAR100(str(root), download=True), f'CIFAR-100 ({CIFAR100.base_folder}/ or '
+               f'{CIFAR100.filename})', root, CIFAR100.url, download or archive.is_file())
+    return _read_cifar100(folder)
+
+
+def _read_cifar100(folder):
+    """The pickled cifar-100-python folder, read as torchvision reads it but without its MD5 check
+    of every load, so that a copy written in the same format (a generated one, say) loads too."""
+    parts = []
+    try:
+        for name in ('train', 'test'):
+            with open(folder / name, 'rb') as f:
+                entry = pickle.load(f, encoding='latin1')
+            x = np.asarray(entry['data'], np.uint8).reshape(-1, 3, 32, 32)  # (N, 3, H, W) rows
+            x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))  # (N, H, W, 3), as torchvision's
+            parts.append((x, list(entry['fine_labels'])))
+        with open(folder / 'meta', 'rb') as f:
+            names = pickle.load(f, encoding='latin1')['fine_label_names']
+    except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f'{folder} cannot be read as CIFAR-100 ({type(e).__name__}: {e}): delete '
+                        f'it and fetch {CIFAR100.url} again.') from None
+    if any(len(x) != len(y) for x, y in parts):
+        raise DataError(f'{folder} holds unequal numbers of images and labels: fetch it again.')
+    return parts, names
 
 
 def _ls(folder, dirs=False):

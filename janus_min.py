@@ -285,6 +285,13 @@ def _ridge(S, delta):
     return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
 
 
+def _gram(X):
+    """X^T X (..., k, k) of X (..., n, k), in float64: float32's round-off can leave a Gram matrix
+    indefinite under its ridge, and Cholesky then fails (NaN on CUDA; a fp32 ViT-B run hit it)."""
+    X = X.double()
+    return X.mT @ X
+
+
 def _spd_solve(S, rhs):
     """S^-1 rhs for symmetric positive definite S (..., n, n), by Cholesky and two triangular
     solves: unlike linalg.solve, nothing checks the result on the host (no CUDA sync)."""
@@ -294,11 +301,13 @@ def _spd_solve(S, rhs):
 
 
 def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
-    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone -> (dA, dB)."""
-    dA = _spd_solve(_ridge(B.mT @ B, delta), BtG) / scale  # Eq. (6)
+    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone -> (dA, dB), in
+    BtG's dtype; the r x r systems in float64 (see _gram), which costs nothing at rank r."""
+    dtype, (BtG, GAt, A, B) = BtG.dtype, (t.double() for t in (BtG, GAt, A, B))
+    dA = _spd_solve(_ridge(_gram(B), delta), BtG) / scale  # Eq. (6)
     RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
-    dB = _spd_solve(_ridge(A @ A.mT, delta), RAt.mT).mT / scale  # Eq. (7); A A^T symmetric
-    return dA, dB
+    dB = _spd_solve(_ridge(_gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
+    return dA.to(dtype), dB.to(dtype)
 
 
 def rectify(G_safe, A, B, scale, delta=1e-4):
@@ -355,14 +364,14 @@ class OnlineSubspace:
             x = x.float()  # one block at a time: a float32 copy of all blocks would be large
             xv = x @ v  # (n, k); equals X_p V, as V is orthogonal to M
             XtXV.append(x.T @ xv)
-            S.append(xv.T @ xv)  # (k, k): the energy each direction captures
+            S.append(_gram(xv))  # (k, k): the energy each direction captures
         CV = _columns_off(torch.stack(XtXV).reshape(V.shape), M)  # X_p^T X_p V
         grad = -(CV - V @ (V.mT @ CV))  # the Euclidean gradient of Eq. (8) at an orthonormal V
         S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: finite
         lr = self.lr * self.decay_steps / (self.decay_steps + self.steps)  # harmonic decay (ours)
         # Eq. (9), preconditioned by S^-1 (ours): scale-free, and lr = 1 is one subspace iteration;
-        # S's ridge can lie below float32's round-off where one direction dominates: float64
-        V_tilde = V - lr * _spd_solve(S.double(), grad.mT.double()).mT.to(V.dtype)
+        # float64, as S's ridge can lie below float32's round-off where one direction dominates
+        V_tilde = V - lr * _spd_solve(S, grad.mT.double()).mT.to(V.dtype)
         Q, R = torch.linalg.qr(V_tilde)  # Eq. (10)
         signs = R.diagonal(dim1=-2, dim2=-1).sign()
         V = Q * torch.where(signs == 0, 1.0, signs)[..., None, :]  # R's diagonal > 0: no flips
@@ -472,8 +481,9 @@ def set_memories(model, memories):
 def least_norm_split(dA, dB, A, B):
     """Of the steps (dA + C A, dB - B C), which keep the composite B dA + dB A, the one of least
     ||dA||^2 + ||dB||^2: C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T. With A and B of full
-    rank r these are all the steps with that composite (README)."""
-    P, Q = B.mT @ B, A @ A.mT  # (..., r, r)
+    rank r these are all the steps with that composite (README). In float64, as GR."""
+    dtype, (dA, dB, A, B) = dA.dtype, (t.double() for t in (dA, dB, A, B))
+    P, Q = _gram(B), _gram(A.mT)  # (..., r, r)
     r, I = P.shape[-1], torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)
     # row-major vec(P C + C Q) = (P kron I + I kron Q) vec(C): an r^2 x r^2 positive semidefinite
     # system, consistent, solved with a round-off ridge (its least-norm solution where singular)
@@ -481,7 +491,7 @@ def least_norm_split(dA, dB, A, B):
     rhs = (B.mT @ dB - dA @ A.mT).reshape(*P.shape[:-2], r * r, 1)
     C = _spd_solve(_ridge(K.reshape(*P.shape[:-2], r * r, r * r), r * torch.finfo(P.dtype).eps),
                    rhs).reshape(P.shape)
-    return dA + C @ A, dB - B @ C
+    return (dA + C @ A).to(dtype), (dB - B @ C).to(dtype)
 
 
 def _stacked_memories(layers):
