@@ -3,7 +3,8 @@
 Protocol: the InfLoRA codebase (Liang & Li, CVPR 2024; github.com/liangyanshuo/InfLoRA), on which
 the paper ran: classes in natural order, T equal tasks of contiguous class ids, no exemplars.
 Sources, in data_dir (the README's "Offline" table says where each file goes):
-- cifar100: https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz, through torchvision.
+- cifar100: https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz (torchvision downloads it;
+  its pickled folder is read here).
 - imagenet-r: https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar (Hendrycks et al., ICCV
   2021), split 80/20 here; a ready-made imagenet-r/train/ + test/ (LAE's) is used as it is.
 - domainnet: http://ai.bu.edu/M3SDA/ (Peng et al., ICCV 2019), the official per-domain lists.
