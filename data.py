@@ -38,7 +38,7 @@ class DataError(Exception):
     """A data set is missing, incomplete or corrupt, or the task split is impossible."""
 
 
-def _q(path):
+def quoted(path):
     """A path as one shell word, so that a suggested command can be pasted as it is."""
     return shlex.quote(str(path))
 
@@ -97,7 +97,7 @@ def _fetch(action, what, root, source, download, hint='', made=()):
                 d.rmdir()
         raise DataError(f'{what} is missing from {root} and could not be downloaded '
                         f'({" ".join(str(err).split())}): put {source} there and pass --data-dir '
-                        f'{_q(root)}{hint}.') from None
+                        f'{quoted(root)}{hint}.') from None
 
 
 def _cifar100(root, seed, download):
@@ -220,7 +220,7 @@ def _domainnet(root, seed, download):
             if not listing.is_file():
                 raise DataError(f'DomainNet list {listing.name} is missing from {root}: put the '
                                 'six domain folders and their lists from http://ai.bu.edu/M3SDA/ '
-                                f'there and pass --data-dir {_q(root)}.')
+                                f'there and pass --data-dir {quoted(root)}.')
             try:
                 lines = listing.read_text(encoding='utf-8').splitlines()
             except UnicodeDecodeError:
@@ -251,7 +251,7 @@ def _imagenet100(root, seed, download):
         if not path.is_dir():
             raise DataError(f'ImageNet-100 folder {path} is missing: put ILSVRC-2012 from '
                             f'https://image-net.org in {root} as train/<wnid>/ and val/<wnid>/ and '
-                            f'pass --data-dir {_q(root)}.')
+                            f'pass --data-dir {quoted(root)}.')
     return [_folder(root / part, wnids) for part in ('train', 'val')], wnids
 
 
@@ -371,7 +371,7 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
     else:
         root = Path(data_dir).expanduser().resolve()
         if root.is_file():
-            raise DataError(f'--data-dir {_q(root)} is a file: pass the folder that holds (or will '
+            raise DataError(f'--data-dir {quoted(root)} is a file: pass the folder that holds (or will '
                             f'hold) the files of {name}.')
         ((train, train_y), (test, test_y)), names = _LOADERS[name](root, seed, download)
         found, expected = len(set(train_y) | set(test_y)), DATASETS[name]['num_classes']
@@ -390,8 +390,8 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
 def task_classes(num_classes, tasks):
     """T lists of contiguous class ids in natural order (InfLoRA's protocol)."""
     if tasks < 1 or num_classes % tasks:
-        raise DataError(f'{tasks} tasks cannot split {num_classes} classes evenly: pick a divisor '
-                        f'of {num_classes}.')
+        raise DataError(f'--tasks {tasks} does not divide the {num_classes} classes evenly: pick a '
+                        f'divisor of {num_classes}.')
     per = num_classes // tasks
     return [list(range(t * per, (t + 1) * per)) for t in range(tasks)]
 

@@ -1,288 +1,268 @@
-"""Janus-LoRA (ICML 2026), minimal: the method, the class-incremental task loop, the command line.
+"""Janus-LoRA (ICML 2026), minimal: the method and the class-incremental task loop, then the program.
 
-A frozen ViT-B/16 learns one LoRA pair on K and V per task, merged into the weights at the task's
-end. The paper's method (Sec. 3) comes first, in the order of its update step; our additions follow
-in a section of their own. Equations are numbered as in the paper's LaTeX source; the README maps
-the paper to this code and lists our readings where the paper is silent.
+A frozen ViT-B/16 learns one LoRA pair on K and V per task, merged into its weights at the task's end.
+Part 1 is what a reader of the paper reads, top-down: the configuration, the paper's method (Sec. 3)
+in the order of its update step, our --rectify update, the baselines, the task loop and `main`.
+Part 2, after the banner, is the program around it: flags, the run folder, results and plots, the
+analyses, the benchmark and --reproduce. Equations are numbered as in the paper's LaTeX source; the
+README maps the paper to this code and lists our readings where the paper is silent.
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
 ICML 2026; InfLoRA (Liang & Li, CVPR 2024) for the protocol; LoRA-Pro (Wang et al., ICLR 2025).
 """
 import argparse
-import collections
 import copy
 import json
 import math
 import os
-import re
 import shlex
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 
+try:  # Ctrl-C while torch loads (seconds): one line and exit 130, not a traceback
+    import torch
+    import torch.nn.functional as F
 
-# ==================================================================================================
-# Configuration: one dataclass; each field is a flag, its help the meaning and source. No torch
-# here: --help answers before torch loads.
-# ==================================================================================================
-DATASET_NAMES = ("cifar100", "imagenet-r", "domainnet", "imagenet100", "fashion-mnist", "synthetic")
-MODEL_NAMES = ("vit_base", "vit_small", "vit_tiny")  # data.DATASETS, vit.PRESETS (a test checks)
-
-
-def _opt(default, help, **kw):
-    return field(default=default, metadata=dict(help=help, **kw))
+    import data
+    import vit
+except KeyboardInterrupt:
+    print("\ninterrupted (Ctrl-C) while starting: nothing was saved", file=sys.stderr)
+    sys.exit(130)
 
 
-# The methods of the paper's comparisons as flag sets: --method NAME puts them before the others.
-METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
-           "finetune": ["--no-oe", "--no-gr", "--no-dml"],
-           "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
-           "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
-           "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
-GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); others 0.95, 1.0
-# --reproduce NAME: (what it reproduces, {row: its flags}); sweep values as read from the paper
-REPRODUCE = {
-    "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", {
-        "1": ["--no-oe", "--no-gr", "--no-dml"], "2": ["--no-oe", "--no-gr"],
-        "3": ["--no-gr", "--no-dml"], "4": ["--no-oe", "--no-dml"], "5": ["--no-dml"],
-        "6": ["--no-gr"], "7": []}),
-    "methods": ("Tables 2 and 3: the methods we implement", {
-        m: ["--method", m] for m in ("finetune", "lora-gpm", "inflora", "janus")}),
-    "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)", {
-        "gpm": ["--memory", "gpm", "--epochs", "1"], "oe": ["--epochs", "1"]}),
-    "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM", {
-        "lora-gpm": ["--method", "lora-gpm"], "lora-gpm-gr": ["--method", "lora-gpm-gr"]}),
-    "k": ("Fig. 4a: the rank k of the OE basis", {f"k{k}": ["--k", str(k)]
-                                                  for k in (25, 50, 75, 100)}),
-    "margin": ("Fig. 4b: the DML margin m", {f"m{m}": ["--margin", str(m)]
-                                               for m in (0.1, 0.2, 0.3, 0.4, 0.5)}),
-    "lambda": ("the appendix's figure: the DML weight lambda", {
-        f"l{v}": ["--lambda-dml", str(v)] for v in (0.5, 1.0, 1.5, 2.0)}),
-    "backbones": ("Table 4: Janus-LoRA on other pre-trainings", {
-        w: ["--weights", w] for w in ("in21k", "sam", "dino")}),
-}
+def _opt(default, help, **argparse_kw):
+    """A configuration field: its default and its --help line (meaning and source)."""
+    return field(default=default, metadata=dict(help=help, **argparse_kw))
 
 
 @dataclass
 class Config:
-    dataset: str = _opt("cifar100", "data set (paper Sec. 4.1)", choices=DATASET_NAMES)
+    """Every flag (python janus_min.py --help lists them by group). None: the data set's default."""
+    # data and protocol (paper Sec. 4.1 and the InfLoRA codebase, which the paper ran on)
+    dataset: str = _opt("cifar100", "data set (Sec. 4.1)", choices=list(data.DATASETS))
     data_dir: str = _opt("data", "folder that holds (or receives) the data set")
-    tasks: int = _opt(None, "tasks T (default: the protocol's, e.g. 10 for CIFAR-100; Sec. 4.1)")
+    tasks: int = _opt(None, "tasks T (default: the protocol's; CIFAR-100 10)")
     epochs: int = _opt(None, "epochs per task (default: CIFAR-100 20, ImageNet-R 50, DomainNet 5)")
-    batch_size: int = _opt(None, "batch size (default: 128, paper Sec. 4.1; synthetic 16)")
-    lr: float = _opt(5e-4, "Adam learning rate (paper Sec. 4.1; InfLoRA codebase)")
-    schedule: str = _opt("inflora", "lr per epoch of a task: inflora, the codebase's quarter "
-                         "cosine; cosine, a half cosine to 0", choices=["inflora", "cosine"])
+    batch_size: int = _opt(None, "batch size (default: 128, Sec. 4.1; synthetic 16)")
+    img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
+    limit_per_class: int = _opt(None, "keep at most this many training images per class")
+    input_range: str = _opt("unit", "unit: [0, 1], as the InfLoRA codebase; checkpoint: as the "
+                            "named --weights was trained; half: [-1, 1]; imagenet: its mean, std",
+                            choices=["unit", "checkpoint", "half", "imagenet"])
+    # the backbone and its LoRA pairs (Sec. 3.1, 4.1)
+    model: str = _opt("vit_base", "backbone (the paper's: ViT-B/16)", choices=list(vit.PRESETS))
+    weights: str = _opt("in21k", "in21k (the paper's), sam, dino (Table 4), torchvision, none, "
+                        "or a checkpoint file")
+    patch_size: int = _opt(16, "patch size (the paper's: 16; another needs --weights none)")
+    rank: int = _opt(10, "LoRA rank r on K and V (Sec. 4.1)")
+    lora_scale: float = _opt(1.0, "LoRA scale s (ours: the paper does not give it)")
+    # the method (Sec. 3 and 4.1), and our readings where the paper is silent (README)
+    lr: float = _opt(5e-4, "Adam's learning rate (Sec. 4.1; the InfLoRA codebase)")
+    schedule: str = _opt("inflora", "lr per epoch: inflora, the codebase's quarter cosine; "
+                         "cosine, a half cosine to 0", choices=["inflora", "cosine"])
+    k: int = _opt(50, "rank k of the OE basis V of each block and task (Sec. 4.1)")
+    oe_lr: float = _opt(1.0, "OE's step at a task's start; 1 is a step of subspace iteration (ours)")
+    oe_decay_steps: int = _opt(5, "OE's step halves after this many steps, then decays as 1/t (ours)")
+    delta: float = _opt(1e-4, "GR's ridge, relative to the mean eigenvalue of B^T B, A A^T (ours)")
+    margin: float = _opt(0.3, "DML's margin m (Sec. 4.1)")
+    lambda_dml: float = _opt(1.0, "DML's weight lambda (Eq. (12), Sec. 4.1)")
+    tau: float = _opt(0.07, "DML's temperature tau (Sec. 4.1)")
+    oe: bool = _opt(True, "Online Estimation and the safe gradient (Table 1, the ablation)")
+    gr: bool = _opt(True, "Gradient Rectification (Table 1, the ablation)")
+    dml: bool = _opt(True, "the Decoupled Margin Loss (Table 1, the ablation)")
+    rectify: str = _opt("grad", "grad: GR's gradients go to Adam (the paper's); update: GR acts on "
+                        "Adam's step, split with the least norm (ours)", choices=["grad", "update"])
+    memory: str = _opt("oe", "the protected memory: oe, each task's OE basis joins it (ours); "
+                       "oe-rolling, one OE basis is it (the paper's words); gpm, GPM's pass after "
+                       "each task (Table 5)", choices=["oe", "oe-rolling", "gpm"])
+    gpm_threshold: list = _opt(None, "GPM's energy threshold, lamb lame: task t of T gets lamb + "
+                               "(lame - lamb) t / T (InfLoRA's; default 0.95 1.0, ImageNet-R 0.98 "
+                               "1.0)", nargs=2, type=float)
+    lora_a: str = _opt("trained", "each task's A: trained (the paper's), or designed off the memory "
+                       "and frozen (InfLoRA)", choices=["trained", "inflora"])
+    method: str = _opt(None, "a method of the paper's tables, as a preset of flags put first "
+                       "(README, 'The paper's comparisons')")
+    # the run
+    seeds: list = _opt((0,), "seeds; several give mean +- std (the paper: 5)", nargs="+", type=int)
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
                           choices=["bf16", "fp32"])
-    model: str = _opt("vit_base", "backbone (paper: ViT-B/16)", choices=MODEL_NAMES)
-    weights: str = _opt("in21k", "in21k (paper), sam, dino (Table 4), torchvision, none, or a file")
-    img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
-    patch_size: int = _opt(16, "patch size (paper: 16); free only with --weights none")
-    rank: int = _opt(10, "LoRA rank r on K and V (paper Sec. 4.1)")
-    lora_scale: float = _opt(1.0, "LoRA scale s (ours; the paper does not give it)")
-    k: int = _opt(50, "rank of the OE basis V per block and task (paper Sec. 4.1)")
-    oe_lr: float = _opt(1.0, "OE step at a task's start; 1: a step of subspace iteration (ours)")
-    oe_decay_steps: int = _opt(5, "OE step halves after this many steps, then decays as 1/t (ours)")
-    delta: float = _opt(1e-4, "GR ridge, relative to the mean eigenvalue of B^T B or A A^T (ours)")
-    margin: float = _opt(0.3, "DML margin m (paper Sec. 4.1)")
-    lambda_dml: float = _opt(1.0, "DML weight lambda (paper Eq. (12), Sec. 4.1)")
-    tau: float = _opt(0.07, "DML temperature tau (paper Sec. 4.1, after CLIP)")
-    oe: bool = _opt(True, "Online Estimation and the safe gradient (paper Table 1, the ablation)")
-    gr: bool = _opt(True, "Gradient Rectification (paper Table 1, the ablation)")
-    dml: bool = _opt(True, "Decoupled Margin Loss (paper Table 1, the ablation)")
-    rectify: str = _opt("grad", "grad: GR's gradients go to Adam (paper); update: GR on Adam's "
-                        "step, split with the least norm (ours)", choices=["grad", "update"])
-    memory: str = _opt("oe", "the protected memory: oe, each task's OE basis joins it (ours); "
-                       "oe-rolling, one OE basis per block is it (the paper's words); gpm, GPM's "
-                       "pass after each task (Table 5)", choices=["oe", "oe-rolling", "gpm"])
-    gpm_threshold: list = _opt(None, "GPM's energy threshold, lamb lame: task t of T gets lamb + "
-                               "(lame - lamb) t / T, t from 0 (InfLoRA's; default 0.95 1.0, "
-                               "ImageNet-R 0.98 1.0)", nargs=2, type=float)
-    lora_a: str = _opt("trained", "each task's A: trained (paper), or designed from the task's "
-                       "K/V inputs off the memory and frozen (InfLoRA)",
-                       choices=["trained", "inflora"])
-    method: str = _opt(None, "a method of the paper's tables as a preset of flags, put first: "
-                       "later flags override its values (not its --no-... switches; README, "
-                       "'Methods')", choices=sorted(METHODS))
-    input_range: str = _opt("unit", "unit: [0, 1] as the InfLoRA codebase (paper); checkpoint: as "
-                            "a named --weights was trained; half: [-1, 1]; imagenet: its mean, std",
-                            choices=["unit", "checkpoint", "half", "imagenet"])
-    seeds: list = _opt((0,), "seeds; several give mean +- std (paper: 5)", nargs="+", type=int)
-    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
-    compile: bool = _opt(False, "torch.compile each ViT block (off until it measures faster)",
-                         action="store_true")
-    # the cores this process may use (os.sched_getaffinity: not on every system)
-    workers: int = _opt(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                        else os.cpu_count() or 1, "loader workers of the file-based data sets "
-                        "(default: the cores available)")
-    limit_per_class: int = _opt(None, "keep at most this many training images per class")
+    compile: bool = _opt(False, "torch.compile each ViT block", action="store_true")
+    workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
+    resume: str = _opt(None, "continue the run in this folder after its last finished task")
+    # output, and the other modes
     out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
-    resume: str = _opt(None, "continue the run in this folder from its last finished task")
     benchmark: bool = _opt(False, "time plain LoRA and Janus steps, then exit", action="store_true")
-    steps: int = _opt(20, "--benchmark: timed steps per variant (after 3 warm-up steps)")
+    steps: int = _opt(20, "--benchmark: timed rounds (after 3 warm-up steps)")
     reproduce: str = _opt(None, "run every row of a table or figure of the paper into OUT/<row>/, "
-                          "then write OUT/table.md (README, 'Reproducing')",
-                          choices=list(REPRODUCE))
+                          "then write OUT/table.md (README, 'Reproducing the paper')")
     row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
     dry_run: bool = _opt(False, "with --reproduce: list the rows and their commands only",
                          action="store_true")
 
 
-# --help's groups, in order: every field in one
-GROUPS = {"data": "dataset data_dir tasks epochs batch_size limit_per_class img_size input_range",
-          "model": "model weights patch_size rank lora_scale",
-          "method (the paper's, and our readings)": "method lr schedule k oe_lr oe_decay_steps "
-                                                    "delta margin lambda_dml tau rectify memory "
-                                                    "gpm_threshold lora_a",
-          "ablation (paper Table 1)": "oe gr dml",
-          "run": "seeds device precision compile workers resume",
-          "output and other modes": "out benchmark steps reproduce row dry_run"}
-EXAMPLES = """examples:
-  python janus_min.py --dataset cifar100 --data-dir data --seeds 0 1 2 3 4 --out runs/cifar
-  python janus_min.py --reproduce ablation --dataset fashion-mnist --data-dir DIR \\
-      --model vit_tiny --weights none --img-size 28 --patch-size 7 --limit-per-class 500 \\
-      --epochs 2 --out runs/ablation"""
-
-
-class ConfigError(Exception):
-    """An impossible combination of flags."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        self.exit(2, f"error: {message}; see python janus_min.py --help\n")
-
-
-def _parser(given_only):
-    p = _Parser(usage="python janus_min.py [flags]", epilog=EXAMPLES,
-                description="Janus-LoRA (ICML 2026): class-incremental learning with a frozen ViT "
-                            "and LoRA,\nmade stable by OE + GR and plastic by DML. Flags by group; "
-                            "README.md has the details.",
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-                argument_default=argparse.SUPPRESS if given_only else None)
-    groups = {title: p.add_argument_group(title) for title in GROUPS}
-    group = {name: groups[title] for title, names in GROUPS.items() for name in names.split()}
-    for f in fields(Config):
-        flag, meta, g = "--" + f.name.replace("_", "-"), dict(f.metadata), group[f.name]
-        if f.type is bool and f.default is False:
-            g.add_argument(flag, **meta)
-        elif f.type is bool:
-            g.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
-                           help="turn off " + meta["help"] + " (on by default)")
-        else:
-            meta.setdefault("type", {"int": int, "float": float}.get(f.type.__name__, str))
-            if f.default is not None and "default" not in meta["help"]:  # None: the help says
-                shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-                meta["help"] += f" (default: {shown})"
-            g.add_argument(flag, **meta, **({} if given_only else {"default": f.default}))
-    return p
-
-
-def parse_args(argv=None, given_only=False):
-    """The Config of argv, a --method preset before the other flags; given_only: a dict of the
-    flags typed, and nothing else (what --resume compares)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if given_only:
-        return vars(_parser(True).parse_args(argv))
-    pre = _Parser(add_help=False)
-    pre.add_argument("--method", choices=sorted(METHODS))
-    method = pre.parse_known_args(argv)[0].method
-    argv = METHODS.get(method, []) + argv  # the preset first: flags given explicitly override it
-    return Config(**vars(_parser(False).parse_args(argv)))
-
-
-if __name__ == "__main__":
-    parse_args()  # answers --help and refuses bad flags before torch loads (2-3 s)
-
-import torch  # noqa: E402 -- after the configuration, for the line above
-import torch.nn.functional as F  # noqa: E402
-
-import data  # noqa: E402
-import vit  # noqa: E402
-
-
-# ---- The configuration, checked (with the data sets' protocol and the device) --------------------
-def _require(ok, message):
-    if not ok:
-        raise ConfigError(message)
-
-
-def check_config(cfg):
-    """Fill the data set's defaults; refuse impossible values with a line that says what to do."""
-    info, width = data.DATASETS[cfg.dataset], vit.PRESETS[cfg.model].keywords["embed_dim"]
-    for key in ("tasks", "epochs", "batch_size", "img_size"):
-        if getattr(cfg, key) is None:
-            setattr(cfg, key, info[key])
-    cfg.gpm_threshold = list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset, (0.95, 1.0)))
-    cfg.seeds = list(cfg.seeds)  # one form (a typed --seeds is a list) for --resume's comparison
-    floats = [f.name for f in fields(Config) if f.type is float]
-    _require(all(math.isfinite(getattr(cfg, n)) for n in floats),
-             "--" + ", --".join(n.replace("_", "-") for n in floats) + " must be finite numbers")
-    _require(all(0 <= s < 2**32 for s in cfg.seeds), "--seeds must lie in 0 .. 2^32 - 1")
-    _require(len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: each seed once")
-    _require(cfg.img_size >= 1 and cfg.patch_size >= 1, "--img-size and --patch-size must be >= 1")
-    _require(cfg.tasks >= 1 and info["num_classes"] % cfg.tasks == 0, f"--tasks {cfg.tasks} does "
-             f"not divide the {info['num_classes']} classes of {cfg.dataset}")
-    _require(cfg.epochs >= 1, "--epochs must be at least 1")
-    _require(cfg.batch_size >= 1, "--batch-size must be at least 1")
-    _require(1 <= cfg.rank <= width, f"--rank must lie in 1..{width} (the width of {cfg.model})")
-    _require(1 <= cfg.k <= width, f"--k must lie in 1..{width} (the block width of {cfg.model})")
-    _require(cfg.lr > 0, "--lr must be positive")
-    _require(min(cfg.margin, cfg.lambda_dml) >= 0, "--margin and --lambda-dml must not be negative")
-    _require(cfg.tau > 0, "--tau must be positive")
-    _require(cfg.lora_scale > 0, "--lora-scale must be positive")
-    _require(cfg.weights == "none" or cfg.patch_size == 16 or cfg.benchmark,  # it: random ones
-             "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)")
-    _require(cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size")
-    _require(cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
-             "--input-range checkpoint needs a named --weights; a file does not say how it was "
-             "normalised: pass --input-range half (Google npz) or imagenet (DINO, torchvision)")
-    _require(cfg.limit_per_class is None or cfg.limit_per_class >= 1,
-             "--limit-per-class must be at least 1")
-    _require(cfg.workers >= 0, "--workers must not be negative")
-    _require(0 < cfg.gpm_threshold[0] <= cfg.gpm_threshold[1] <= 1,
-             "--gpm-threshold takes two numbers 0 < first <= last <= 1")
-    _require(cfg.lora_a == "trained" or not cfg.gr,
-             "--lora-a inflora freezes A, and GR needs a trainable A: add --no-gr")
-    _require(not cfg.reproduce or not (cfg.method or cfg.resume),
-             "--reproduce chooses its rows' methods and resumes them: drop --method and --resume")
-    rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
-    _require(cfg.row is None or cfg.row in rows, f"--row {cfg.row}: --reproduce {cfg.reproduce} "
-             f"has the rows {', '.join(rows) or 'of a table: add --reproduce NAME'}")
-    _require(min(cfg.delta, cfg.oe_lr, cfg.oe_decay_steps, cfg.steps) > 0,
-             "--delta, --oe-lr, --oe-decay-steps and --steps must be positive")
-    _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device),
-             f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpus = torch.cuda.device_count()
-    _require(not cfg.device.startswith("cuda") or int(cfg.device.partition(":")[2] or 0) < gpus,
-             f"--device {cfg.device} asked for, but torch sees {gpus} GPU(s); use --device cpu or "
-             "an index below that")
-    return cfg
-
-
 # ==================================================================================================
-# The paper's method (Sec. 3)
+# The paper's method (Sec. 3), in the order of "The Integrated Janus-LoRA Update Process"
 # ==================================================================================================
-# ---- Theorem 1: the safe gradient ----------------------------------------------------------------
+def train_step(learner, opt, images, y, cfg):
+    """One training step, in the paper's order; y: labels within the current task. Returns the loss
+    and the number right, as tensors (no host sync)."""
+    model, head = learner.model, learner.heads[-1]
+    if cfg.memory == "oe-rolling":  # the paper's words read literally: V, as it stands, is M
+        learner.memory = list(learner.oe.basis)
+    # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11)
+    with autocast(images.device, cfg):
+        z, kv_inputs = model.encode(images, learner.memory)  # kv_inputs: (B, N, D) per block
+    z = z.float()
+    logits = head(z)
+    loss = F.cross_entropy(logits, y)
+    if cfg.dml:
+        dml = dml_loss(z, y, learner.prototypes, cfg.margin, cfg.tau, head.out_features)
+        loss = loss + cfg.lambda_dml * dml
+    # OE, Eqs. (8)-(10): each block's basis V takes one step on this batch's K/V inputs, off M. It
+    # joins M at the task's end (end_task); the projection in (3) uses M only, never V (README).
+    if cfg.oe and cfg.memory != "gpm":
+        learner.oe.update(kv_inputs, learner.memory if cfg.memory == "oe" else None)
+    del kv_inputs  # released before the backward pass peaks
+    # (2) the raw gradient G = dL/dW of each K/V layer, and with it (3) the safe gradient of
+    # Theorem 1, Eq. (3), G_safe = G (I - M M^T): vit.LoRALinear.forward holds A's part in span(M)
+    # constant, so backward returns the factor gradients of G_safe, s B^T G_safe and s G_safe A^T.
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    # (4) GR, Eqs. (5)-(7): factor gradients whose composite s (B dA + dB A) best matches G_safe
+    layers = [layer for _, _, layer in model.lora_layers()]
+    if cfg.gr and cfg.rectify == "grad":
+        rectify_gradients_(layers, cfg.delta)
+    # (5) the optimizer step; ours, --rectify update: GR acts on the step Adam proposes instead
+    if cfg.gr and cfg.rectify == "update":
+        rectified_adam_step_(opt, layers, learner.memory, cfg.delta)
+    else:
+        opt.step()
+    return loss.detach(), (logits.argmax(1) == y).sum()
+
+
+# ---- (1) The Decoupled Margin Loss, Eq. (11) -----------------------------------------------------
+def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
+    """Eq. (11). z (B, D) features, y (B,) labels of the current task (of num_classes), old
+    prototypes (P, D) unit rows. The current prototypes are the batch's normalised class means."""
+    z = F.normalize(z.float(), dim=1)
+    onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C); pass C: no sync
+    protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
+    absent = onehot.sum(0) == 0  # (C,): left out of the softmax, which runs over C_t only
+    logits = (z @ protos.T / tau).masked_fill(absent, -math.inf)
+    intra = F.cross_entropy(logits, y)  # softmax over the batch's classes of z.p_c / tau
+    if old_prototypes.shape[0] == 0:
+        return intra
+    return intra + F.relu(z @ old_prototypes.T - margin).mean()  # hinge: mean over batch x old
+
+
+# ---- OE: Online Estimation, Eqs. (8)-(10) --------------------------------------------------------
+class OnlineSubspace:
+    """OE's basis V (D, k) of the current task's K/V inputs, kept orthonormal and off the memory M;
+    for all blocks at once with blocks=L: V (L, D, k). The memory itself is the learner's."""
+
+    def __init__(self, dim, k, lr=1.0, decay_steps=5, device=None, blocks=None):
+        self.dim, self.k, self.blocks = dim, k, blocks
+        self.lr, self.decay_steps = lr, decay_steps
+        self.basis = self.fresh_basis(None, device)
+        self.steps = 0  # this task's steps so far: the step size decays with them
+
+    def fresh_basis(self, memory, device=None):
+        """A random orthonormal V off the memory (None: empty); a full memory leaves no room."""
+        shape = () if self.blocks is None else (self.blocks,)
+        M = _stacked(memory)
+        k = self.k if M is None else min(self.k, self.dim - M.shape[-1])
+        # drawn on the CPU: a run's random numbers must not depend on the device
+        V = torch.randn(*shape, self.dim, k).to(device if M is None else M.device)
+        return torch.linalg.qr(_off(V, M)).Q
+
+    @torch.no_grad()
+    def update(self, X, memory=None):
+        """One step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2 with X_p = X (I - M M^T). X: the K/V
+        inputs, (B, N, D) per block (one (n, D) unbatched); memory: M (D, m) per block, or None."""
+        V, M = self.basis, _stacked(memory)
+        if V.shape[-1] == 0:  # a full memory: nothing left to learn
+            return
+        XtXV, S = [], []
+        for x, v in zip(X if self.blocks else [X], V if self.blocks else [V]):
+            x = x.reshape(-1, self.dim).float()  # a block at a time: all of them in float32 is large
+            xv = x @ v  # (n, k); equals X_p V, as V is orthogonal to M
+            XtXV.append(x.T @ xv)
+            S.append(_gram(xv))  # (k, k): the energy each direction captures
+        CV = _off(torch.stack(XtXV).reshape(V.shape), M)  # X_p^T X_p V
+        S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: still finite
+        grad = -(CV - V @ (V.mT @ CV))  # the gradient of Eq. (8) at an orthonormal V
+        grad = _spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
+        lr = self.lr * self.decay_steps / (self.decay_steps + self.steps)  # ours: decays as 1/t
+        V_tilde = V - lr * grad  # Eq. (9)
+        Q, R = torch.linalg.qr(V_tilde)  # Eq. (10): V <- Q
+        signs = torch.where(R.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0)  # ours: R's diagonal > 0,
+        V = Q * signs[..., None, :]  # so that V does not flip from step to step
+        self.basis = _off(V, M)  # round-off must not leak V into span(M)
+        self.steps += 1
+
+    @torch.no_grad()
+    def merge(self, memory):
+        """A task's end (ours): M <- orth([M, V]) per block; returns it, with a fresh V off it."""
+        M = torch.linalg.qr(torch.cat([_stacked(memory), self.basis], dim=-1)).Q
+        self.basis = self.fresh_basis(M)
+        self.steps = 0
+        return list(M) if self.blocks else M
+
+
+# ---- (3) Theorem 1: the safe gradient comes from the LoRA forward (vit.LoRALinear.forward) -------
 def safe_gradient(G, M):
-    """G (..., d_out, d_in), M (..., d_in, m) orthonormal -> G (I - M M^T), Eq. (3)."""
+    """Reference form of Theorem 1 the tests use (training gets G_safe from the LoRA forward):
+    G (..., d_out, d_in), M (..., d_in, m) orthonormal -> G (I - M M^T), Eq. (3)."""
     if M.shape[-1] == 0:
         return G
     return G - (G @ M) @ M.mT  # without forming the d_in x d_in projector
 
 
-# ---- Gradient Rectification, Eqs. (5)-(7) --------------------------------------------------------
-def _ridge(S, delta):
-    """S + delta * mean(eig S) * I for Gram matrices S (..., r, r) (README, "GR ridge")."""
-    lam = delta * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
-    return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
+# ---- (4) Gradient Rectification, Eqs. (5)-(7) ----------------------------------------------------
+def rectify_gradients_(layers, delta):
+    """Replace the LoRA pairs' gradients by GR's, all layers in one batch (Adam then takes them)."""
+    A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
+    B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
+    s = layers[0].scale
+    # autograd left gA = s B^T G_safe and gB = s G_safe A^T (step (3), in the forward)
+    BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
+    GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
+    dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
+    for layer, a, b in zip(layers, dA, dB):
+        layer.A.grad.copy_(a)
+        layer.B.grad.copy_(b)
+
+
+def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
+    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone -> (dA, dB), in
+    BtG's dtype; the r x r systems in float64 (see _gram), which costs nothing at rank r."""
+    dtype = BtG.dtype
+    BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
+    dA = _spd_solve(_ridge(_gram(B), delta), BtG) / scale  # Eq. (6)
+    RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
+    dB = _spd_solve(_ridge(_gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
+    return dA.to(dtype), dB.to(dtype)
+
+
+def rectify(G_safe, A, B, scale, delta=1e-4):
+    """Reference form of Eqs. (6)-(7) the tests use, for a dense G_safe (d_out, d_in)."""
+    return rectify_factors(B.mT @ G_safe, G_safe @ A.mT, A, B, scale, delta)
+
+
+# ---- Small linear algebra that OE and GR share ---------------------------------------------------
+def _off(V, M):
+    """(I - M M^T) V: V's columns without their part in span(M); M None: V itself."""
+    return V if M is None else V - M @ (M.mT @ V)
+
+
+def _stacked(memory):
+    """A memory given per block (a list of (D, m)) as one (L, D, m) tensor; a tensor or None as is."""
+    return torch.stack(memory) if isinstance(memory, list) else memory
 
 
 def _gram(X):
@@ -292,224 +272,40 @@ def _gram(X):
     return X.mT @ X
 
 
+def _ridge(S, delta):
+    """S + delta * mean(eig S) * I for Gram matrices S (..., r, r) (README, "GR ridge")."""
+    lam = delta * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
+    return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
+
+
 def _spd_solve(S, rhs):
     """S^-1 rhs for symmetric positive definite S (..., n, n), by Cholesky and two triangular
     solves: unlike linalg.solve, nothing checks the result on the host (no CUDA sync)."""
     L = torch.linalg.cholesky_ex(S).L
-    return torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L, rhs, upper=False),
-                                         upper=True)
-
-
-def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
-    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone -> (dA, dB), in
-    BtG's dtype; the r x r systems in float64 (see _gram), which costs nothing at rank r."""
-    dtype, (BtG, GAt, A, B) = BtG.dtype, (t.double() for t in (BtG, GAt, A, B))
-    dA = _spd_solve(_ridge(_gram(B), delta), BtG) / scale  # Eq. (6)
-    RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
-    dB = _spd_solve(_ridge(_gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
-    return dA.to(dtype), dB.to(dtype)
-
-
-def rectify(G_safe, A, B, scale, delta=1e-4):
-    """Eqs. (6)-(7) for a dense G_safe (d_out, d_in). Reference form: not on the training path."""
-    return rectify_factors(B.mT @ G_safe, G_safe @ A.mT, A, B, scale, delta)
-
-
-def rectify_gradients_(layers, delta):
-    """Replace the LoRA pairs' gradients by GR's, all layers in one batch (the paper: Adam then
-    takes them)."""
-    A, B = (torch.stack([getattr(layer, n).detach() for layer in layers]) for n in "AB")
-    gA, gB = (torch.stack([getattr(layer, n).grad for layer in layers]) for n in "AB")
-    s = layers[0].scale
-    # autograd left gA = s B^T G_safe and gB = s G_safe A^T (Theorem 1, in the forward)
-    dA, dB = rectify_factors(gA / s, gB / s, A, B, s, delta)
-    for layer, a, b in zip(layers, dA, dB):
-        layer.A.grad.copy_(a)
-        layer.B.grad.copy_(b)
-
-
-# ---- Online Estimation, Eqs. (8)-(10) ------------------------------------------------------------
-def _columns_off(V, M):
-    """(I - M M^T) V: the columns of V without their part in span(M)."""
-    return V - M @ (M.mT @ V)
-
-
-class OnlineSubspace:
-    """OE's basis V (dim, k) of the current task and the protected memory M (dim, m) of the
-    finished ones, for one block, or for all at once (blocks=L: V (L, dim, k), M (L, dim, m)).
-    V stays orthogonal to M and joins it at the task's end."""
-
-    def __init__(self, dim, k, lr=1.0, decay_steps=5, device=None, blocks=None):
-        self.dim, self.k, self.lr, self.decay_steps = dim, k, lr, decay_steps
-        self.batch = () if blocks is None else (blocks,)
-        self.memory = torch.zeros(*self.batch, dim, 0, device=device)
-        self.basis = self._fresh_basis()
-        self.steps = 0
-
-    def _fresh_basis(self):
-        k = min(self.k, self.dim - self.memory.shape[-1])  # a full memory leaves no room
-        # drawn on the CPU: a run's random numbers must not depend on the device
-        V = torch.randn(*self.batch, self.dim, k).to(self.memory.device)
-        return torch.linalg.qr(_columns_off(V, self.memory)).Q
-
-    @torch.no_grad()
-    def update(self, X):
-        """One step on Eq. (8), (1/2)||X_p - X_p V V^T||^2 with X_p = X (I - M M^T); X (n, dim),
-        or when batched a list of one (n, dim) per block."""
-        V, M = self.basis, self.memory
-        if V.shape[-1] == 0:
-            return
-        XtXV, S = [], []
-        for x, v in zip(X if self.batch else [X], V.reshape(-1, self.dim, V.shape[-1])):
-            x = x.float()  # one block at a time: a float32 copy of all blocks would be large
-            xv = x @ v  # (n, k); equals X_p V, as V is orthogonal to M
-            XtXV.append(x.T @ xv)
-            S.append(_gram(xv))  # (k, k): the energy each direction captures
-        CV = _columns_off(torch.stack(XtXV).reshape(V.shape), M)  # X_p^T X_p V
-        grad = -(CV - V @ (V.mT @ CV))  # the Euclidean gradient of Eq. (8) at an orthonormal V
-        S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: finite
-        lr = self.lr * self.decay_steps / (self.decay_steps + self.steps)  # harmonic decay (ours)
-        # Eq. (9), preconditioned by S^-1 (ours): scale-free, and lr = 1 is one subspace iteration;
-        # float64, as S's ridge can lie below float32's round-off where one direction dominates
-        V_tilde = V - lr * _spd_solve(S, grad.mT.double()).mT.to(V.dtype)
-        Q, R = torch.linalg.qr(V_tilde)  # Eq. (10)
-        signs = R.diagonal(dim1=-2, dim2=-1).sign()
-        V = Q * torch.where(signs == 0, 1.0, signs)[..., None, :]  # R's diagonal > 0: no flips
-        self.basis = _columns_off(V, M)  # round-off must not leak V into span(M)
-        self.steps += 1
-
-    @torch.no_grad()
-    def merge(self):
-        """End of a task: M <- orth([M, V]), and a fresh V off the new memory."""
-        self.memory = torch.linalg.qr(torch.cat([self.memory, self.basis], dim=-1)).Q
-        self.basis = self._fresh_basis()
-        self.steps = 0
-
-    def state_dict(self):
-        return {"memory": self.memory, "basis": self.basis, "steps": self.steps}
-
-    def load_state_dict(self, state):
-        self.memory, self.basis, self.steps = state["memory"], state["basis"], state["steps"]
-
-
-# ---- Decoupled Margin Loss, Eq. (11) -------------------------------------------------------------
-def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
-    """Eq. (11). z (B, D) features, y (B,) labels of the current task (of num_classes), old
-    prototypes (P, D) unit rows. The current prototypes are the batch's normalised class means."""
-    z = F.normalize(z.float(), dim=1)
-    onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C); pass C: no sync
-    protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
-    logits = (z @ protos.T / tau).masked_fill(onehot.sum(0) == 0, -math.inf)  # over C_t only
-    intra = F.cross_entropy(logits, y)  # softmax over the batch's classes of z.p_c / tau
-    if old_prototypes.shape[0] == 0:
-        return intra
-    return intra + F.relu(z @ old_prototypes.T - margin).mean()  # hinge: mean over batch x old
-
-
-# ---- Metrics (Sec. 4.1) and the null-space violation (Fig. 2) ------------------------------------
-def metrics(acc):
-    """ACC, MAA, BWT of acc[t][i], the accuracy (%) on task i after task t (i <= t is read); BWT
-    is undefined (None) with one task."""
-    T = len(acc)
-    maa = sum(sum(acc[t][: t + 1]) / (t + 1) for t in range(T)) / T
-    bwt = sum(acc[T - 1][i] - acc[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else None
-    return {"ACC": sum(acc[T - 1][:T]) / T, "MAA": maa, "BWT": bwt}
-
-
-@torch.no_grad()
-def violation(layer):
-    """||dW M||_F / ||dW||_F of the layer's task update dW = s B A, never forming dW; None where
-    it is undefined (no memory yet, or no update, as under a full memory)."""
-    A, B, M = layer.A, layer.B, layer.memory
-    den = ((B.T @ B) * (A @ A.T)).sum().clamp_min(0).sqrt()  # ||B A||_F^2 = tr(B^T B A A^T)
-    if M.shape[1] == 0 or den == 0:
-        return None
-    return float((B @ (A @ M)).norm() / den)
-
-
-# ---- The integrated update (Sec. 3, "The Integrated Janus-LoRA Update Process") ------------------
-def train_step(model, head, opt, images, y, cfg, subspace, prototypes):
-    """One training step, in the paper's order. y: labels local to the task. -> (loss, correct)."""
-    layers, online = [layer for _, _, layer in model.lora_layers()], cfg.oe and cfg.memory != "gpm"
-    if online and cfg.memory == "oe-rolling":  # the paper's words read literally: V is the memory
-        set_memories(model, subspace.basis)  # as it stands: both projections of the step use it
-    # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11)
-    with autocast(images.device, cfg):
-        z, kv_inputs = model.encode(images) if online else (model(images), None)
-    z = z.float()
-    logits = head(z)
-    loss = F.cross_entropy(logits, y)
-    if cfg.dml:
-        loss = loss + cfg.lambda_dml * dml_loss(z, y, prototypes, cfg.margin, cfg.tau,
-                                                head.out_features)
-    # OE, Eqs. (8)-(10), on this batch's K/V inputs: it learns the task's basis V, which joins the
-    # memory M at the task's end; the projection in (3) uses M only, never V (README).
-    if online:
-        subspace.update([X.detach().flatten(0, 1) for X in kv_inputs])  # (B*N, D) per block
-        del kv_inputs  # released before the backward pass peaks
-    # (2) backward: the raw gradient, and at once (3) the safe gradient, Theorem 1, Eq. (3):
-    # vit.LoRALinear.forward holds A's part in span(M) constant, so autograd returns
-    # gA = s B^T G (I - M M^T) and gB = s G (I - M M^T) A^T, the chain rule of G_safe.
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    # (4) GR, Eqs. (6)-(7): factor gradients whose composite s (B dA + dB A) best matches G_safe
-    if cfg.gr and cfg.rectify == "grad":
-        rectify_gradients_(layers, cfg.delta)
-    # (5) the optimizer step
-    if cfg.gr and cfg.rectify == "update":  # ours: GR acts on the step Adam proposes instead of (4)
-        rectified_adam_step_(opt, layers, cfg.delta)
-    else:
-        opt.step()
-    return loss.detach(), (logits.argmax(1) == y).sum()  # tensors: no host sync per step
-
-
-def autocast(device, cfg):
-    """bf16 autocast on CUDA unless --precision fp32 (the InfLoRA codebase's); none on the CPU."""
-    use = device.type == "cuda" and cfg.precision == "bf16"
-    return torch.autocast(device.type, torch.bfloat16, enabled=use)
-
-
-def set_memories(model, memories):
-    """Each LoRA layer projects with its block's memory (K and V of a block share their input)."""
-    for i, _, layer in model.lora_layers():
-        layer.memory = memories[i]
+    y = torch.linalg.solve_triangular(L, rhs, upper=False)
+    return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
 
 # ==================================================================================================
-# Our additions: --rectify update (README, "--rectify grad and update")
+# Ours: --rectify update, GR on the step Adam proposes (README, "--rectify grad and update")
 # ==================================================================================================
-def least_norm_split(dA, dB, A, B):
-    """Of the steps (dA + C A, dB - B C), which keep the composite B dA + dB A, the one of least
-    ||dA||^2 + ||dB||^2: C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T. With A and B of full
-    rank r these are all the steps with that composite (README). In float64, as GR."""
-    dtype, (dA, dB, A, B) = dA.dtype, (t.double() for t in (dA, dB, A, B))
-    P, Q = _gram(B), _gram(A.mT)  # (..., r, r)
-    r, I = P.shape[-1], torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)
-    # row-major vec(P C + C Q) = (P kron I + I kron Q) vec(C): an r^2 x r^2 positive semidefinite
-    # system, consistent, solved with a round-off ridge (its least-norm solution where singular)
-    K = torch.einsum("...ik,jl->...ijkl", P, I) + torch.einsum("ik,...jl->...ijkl", I, Q)
-    rhs = (B.mT @ dB - dA @ A.mT).reshape(*P.shape[:-2], r * r, 1)
-    C = _spd_solve(_ridge(K.reshape(*P.shape[:-2], r * r, r * r), r * torch.finfo(P.dtype).eps),
-                   rhs).reshape(P.shape)
-    return (dA + C @ A).to(dtype), (dB - B @ C).to(dtype)
-
-
-def _stacked_memories(layers):
-    """The layers' memories as one (L, d_in, m) tensor; zero columns pad the narrower ones, which
-    changes no projection."""
-    m = max(layer.memory.shape[1] for layer in layers)
-    return torch.stack([F.pad(layer.memory, (0, m - layer.memory.shape[1])) for layer in layers])
+def rectified_adam_step_(opt, layers, memory, delta):
+    """Step (5) under --rectify update: Adam proposes a step, which GR rectifies."""
+    before = [(layer.A.detach().clone(), layer.B.detach().clone()) for layer in layers]
+    opt.step()
+    rectify_updates_(layers, before, [memory[j // 2] for j in range(len(layers))], delta)
 
 
 @torch.no_grad()
-def rectify_updates_(layers, before, delta):
+def rectify_updates_(layers, before, memories, delta):
     """Rectify the step Adam took from `before` (each layer's (A, B)): the composite step
     s (B dA + dB A) is projected by Theorem 1, rectified, and split with the least norm."""
-    A0, B0 = (torch.stack(t) for t in zip(*before))  # (L, r, d_in), (L, d_out, r)
+    A0 = torch.stack([a for a, _ in before])  # (L, r, d_in)
+    B0 = torch.stack([b for _, b in before])  # (L, d_out, r)
     s = layers[0].scale
     dA = torch.stack([layer.A for layer in layers]) - A0  # Adam's proposed step
     dB = torch.stack([layer.B for layer in layers]) - B0
-    M = _stacked_memories(layers)
+    M = _padded(memories)
     # B^T dW_safe and dW_safe A^T of dW = s (B dA + dB A), with r-wide products only
     BtW = safe_gradient(s * ((B0.mT @ B0) @ dA + (B0.mT @ dB) @ A0), M)
     Ap = safe_gradient(A0, M).mT  # (I - M M^T) A^T  (L, d_in, r)
@@ -520,26 +316,45 @@ def rectify_updates_(layers, before, delta):
         layer.B.copy_(b)
 
 
-def rectified_adam_step_(opt, layers, delta):
-    """Step (5) under --rectify update: Adam proposes a step, GR rectifies it."""
-    before = [(layer.A.detach().clone(), layer.B.detach().clone()) for layer in layers]
-    opt.step()
-    rectify_updates_(layers, before, delta)
+def least_norm_split(dA, dB, A, B):
+    """Of the steps (dA + C A, dB - B C), which keep the composite B dA + dB A, the one of least
+    ||dA||^2 + ||dB||^2: C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T. With A and B of full
+    rank r these are all the steps with that composite (README). In float64, as GR."""
+    dtype = dA.dtype
+    dA, dB, A, B = dA.double(), dB.double(), A.double(), B.double()
+    P, Q = _gram(B), _gram(A.mT)  # (..., r, r)
+    r, batch = P.shape[-1], P.shape[:-2]
+    I = torch.eye(r, dtype=P.dtype, device=P.device)
+    # row-major vec(P C + C Q) = (P kron I + I kron Q) vec(C): an r^2 x r^2 positive semidefinite
+    # system, consistent, solved with a round-off ridge (its least-norm solution where singular)
+    K = torch.einsum("...ik,jl->...ijkl", P, I) + torch.einsum("ik,...jl->...ijkl", I, Q)
+    K = _ridge(K.reshape(*batch, r * r, r * r), r * torch.finfo(P.dtype).eps)
+    rhs = (B.mT @ dB - dA @ A.mT).reshape(*batch, r * r, 1)
+    C = _spd_solve(K, rhs).reshape(P.shape)
+    return (dA + C @ A).to(dtype), (dB - B @ C).to(dtype)
+
+
+def _padded(memories):
+    """Memories of several widths as one (L, D, m) tensor: zero columns pad the narrower ones,
+    which changes no projection."""
+    m = max(M.shape[1] for M in memories)
+    return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memories])
 
 
 # ==================================================================================================
-# The paper's comparisons: GPM (LoRA-GPM, Table 5) and InfLoRA (Tables 2, 3), computed as the
-# InfLoRA codebase does, but where the README's "Methods" says otherwise
+# The paper's comparisons: GPM's memory (LoRA-GPM, Table 5) and InfLoRA's A (Tables 2, 3), as the
+# InfLoRA codebase computes them, but where the README's "The paper's comparisons" says otherwise
 # ==================================================================================================
 @torch.no_grad()
-def kv_covariance(model, loader, cfg):
-    """Each block's uncentred K/V-input covariance (L, D, D) over every token of the loader."""
-    C, n, device = 0.0, 0, torch.device(cfg.device)
-    for images, _ in loader:
-        with autocast(device, cfg):
-            kv = model.encode(images.to(device, non_blocking=True))[1]  # (B, N, D) per block
-        X = [x.float().flatten(0, 1) for x in kv]
-        C, n = C + torch.stack([x.T @ x for x in X]), n + X[0].shape[0]
+def kv_covariance(model, images, cfg, memory=None):
+    """Each block's uncentred K/V-input covariance (L, D, D) over every token of the images."""
+    C, n = 0.0, 0
+    for images, _ in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
+        with autocast(torch.device(cfg.device), cfg):
+            kv_inputs = model.encode(images.to(cfg.device), memory)[1]  # (B, N, D) per block
+        X = [x.float().flatten(0, 1) for x in kv_inputs]
+        C = C + torch.stack([x.T @ x for x in X])
+        n += X[0].shape[0]
     return C / n
 
 
@@ -557,7 +372,7 @@ def gpm_extend(M, C, threshold):
 
 
 def gpm_threshold(cfg, t):
-    """InfLoRA's schedule of the GPM threshold: lamb at the first task (t = 0), rising by
+    """InfLoRA's schedule of GPM's threshold: lamb at the first task (t = 0), rising by
     (lame - lamb) / T a task; lame itself is never reached."""
     lamb, lame = cfg.gpm_threshold
     return lamb + (lame - lamb) * t / cfg.tasks
@@ -567,24 +382,886 @@ def inflora_a(C, M, rank):
     """InfLoRA's A (r, D): the top-r left singular vectors of (I - M M^T) C, over sqrt(3) as in its
     code (Liang & Li, CVPR 2024); it lies off span(M) and stays frozen."""
     C, M64 = C.double(), M.double()  # float64: the trailing vectors' round-off stays off M
-    U = _columns_off(torch.linalg.svd(C - M64 @ (M64.T @ C)).U[:, :rank], M64)
+    U = _off(torch.linalg.svd(C - M64 @ (M64.T @ C)).U[:, :rank], M64)
     return (U.T / math.sqrt(3)).to(M.dtype)
 
 
 # ==================================================================================================
-# The paper's analyses, measured in every run: the null-space violation on real activations
-# (Fig. 2), DML's geometry (Fig. 3 and the appendix's density), the time per task and epoch
+# The class-incremental task loop: a Learner goes through the tasks, each started, trained, ended
+# and evaluated in turn (the protocol of the InfLoRA codebase; README, "Where the paper is silent")
 # ==================================================================================================
+@dataclass
+class Learner:
+    """One seed's run: what a task leaves to the next, and what was measured so far."""
+    seed: int
+    model: torch.nn.Module  # the ViT; each K/V layer's LoRA pair, merged at each task's end
+    oe: OnlineSubspace  # OE's basis V of each block for the current task, (L, D, k)
+    memory: list  # the protected memory M of each block, (D, m); the LoRA forward projects with it
+    heads: torch.nn.ModuleList  # one linear head per task so far
+    prototypes: torch.Tensor  # (old classes, D), unit rows: DML's C_past
+    acc: list = field(default_factory=list)  # task-agnostic accuracy rows (the paper's)
+    aware: list = field(default_factory=list)  # task-aware rows (ours)
+    sample_acc: list = field(default_factory=list)  # per row, over all seen test samples
+    task_seconds: list = field(default_factory=list)  # training and the method's own passes
+    throughput: list = field(default_factory=list)  # per task: images/s of each epoch
+    warnings: list = field(default_factory=list)  # what makes the numbers invalid (divergence)
+    analyses: dict = field(default_factory=dict)  # the paper's analyses (Part 2's record)
+
+
+def build_model(cfg):
+    """The backbone with its LoRA layers, loaded from cfg.weights, in eval mode for good."""
+    torch.manual_seed(0)  # with --weights none, a random backbone plays the checkpoint: one for all
+    model = vit.PRESETS[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size,
+                                   lora_rank=cfg.rank, lora_scale=cfg.lora_scale)
+    vit.load_pretrained(model, cfg.weights)
+    return model.eval()  # the ViT has no dropout, and training never switches modes
+
+
+def start_learner(cfg, seed, base_model):
+    """A fresh Learner for `seed`: the backbone copied (never changed), fresh LoRA pairs and OE."""
+    torch.manual_seed(seed)  # the only generator a run draws from (the loaders seed their own)
+    device = torch.device(cfg.device)
+    model = copy.deepcopy(base_model).to(device)
+    for _, _, layer in model.lora_layers():
+        layer.reset_lora_()  # the first task's A comes from this seed too
+    for block in model.blocks if cfg.compile else []:
+        block.compile()  # in place: the parameter names, and so the checkpoints, stay the same
+    L, D = len(model.blocks), model.embed_dim
+    oe = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device, blocks=L)
+    empty = [torch.zeros(D, 0, device=device)] * L  # task 1 has nothing to protect
+    return Learner(seed, model, oe, empty, torch.nn.ModuleList(), torch.zeros(0, D, device=device))
+
+
+def start_task(learner, t, tasks, splits, cfg):
+    """Task t's start: a fresh head; with --lora-a inflora, InfLoRA designs each block's A from
+    the task's K/V inputs (test transform) off the memory, and freezes it."""
+    model = learner.model
+    learner.heads.append(torch.nn.Linear(model.embed_dim, len(tasks[t])).to(cfg.device))
+    learner.oe.steps = 0  # each task's OE starts with large steps (README)
+    for _, _, layer in model.lora_layers():
+        layer.A.requires_grad_(cfg.lora_a == "trained")  # InfLoRA trains B only
+    if cfg.lora_a == "inflora":
+        C = kv_covariance(model, data.subset(splits.train_eval, tasks[t]), cfg)  # (L, D, D)
+        A = [inflora_a(C_i, M, cfg.rank) for C_i, M in zip(C, learner.memory)]  # K, V share an A
+        with torch.no_grad():
+            for i, _, layer in model.lora_layers():
+                layer.A.copy_(A[i])
+
+
+def train_task(learner, t, tasks, splits, cfg, clock):
+    """Task t's training: cfg.epochs epochs of train_step, Adam on the LoRA pairs and the head."""
+    local = torch.full((splits.num_classes,), -1, device=cfg.device)  # class id -> head's index
+    local[tasks[t]] = torch.arange(len(tasks[t]), device=cfg.device)
+    seed = learner.seed * 1000 + t  # the loader's own generator: its order, crops and flips
+    loader = data.make_loader(data.subset(splits.train, tasks[t]), cfg.batch_size, True,
+                              cfg.workers, seed, cfg.device)
+    params = [p for p in learner.model.lora_parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params + list(learner.heads[-1].parameters()), lr=cfg.lr)
+    learner.throughput.append([])
+    first_loss = None
+    for epoch in range(cfg.epochs):
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
+        start, loss_sum, correct, seen = time.time(), 0.0, 0, 0
+        for step, (images, y) in enumerate(loader, 1):
+            images, y = images.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
+            loss, right = train_step(learner, opt, images, y, cfg)
+            loss_sum = loss_sum + loss * len(y)  # tensors: read once an epoch
+            correct = correct + right
+            seen += len(y)
+            if first_loss is None:  # the task's first loss, the mark of divergence (one sync)
+                first_loss = float(loss)
+            if clock.passed("train", len(y)):
+                clock.show(f"task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}: "
+                           f"{step}/{len(loader)} steps, loss {float(loss_sum) / seen:.4f}")
+        mean_loss, speed = float(loss_sum) / seen, seen / (time.time() - start)
+        if not math.isfinite(mean_loss):  # a diverged run must not go on to write results
+            raise FloatingPointError(f"task {t + 1} epoch {epoch + 1}: the loss is {mean_loss}; "
+                                     "lower --lr and start again (checkpoint.pt, if there is "
+                                     "one, holds the tasks finished before)")
+        learner.throughput[-1].append(speed)
+        line = (f"task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss {mean_loss:.4f}  "
+                f"train acc {100.0 * float(correct) / seen:5.2f}%  {speed:7.1f} img/s")
+        if mean_loss > 100 * first_loss:  # orders of magnitude above the task's start: diverging
+            learner.warnings.append(f"task {t + 1} epoch {epoch + 1}: the loss grew to "
+                                    f"{mean_loss:.3g} from {first_loss:.3g}; these numbers are "
+                                    "not a valid run")
+            line += "  WARNING: the loss is diverging; lower --lr"
+        clock.show(line)
+
+
+def lr_factor(epoch, epochs, schedule):
+    """The lr of a task's epoch, as a factor of --lr: InfLoRA's CosineSchedule as its code steps
+    it, cos(99 pi e / (200 (K - 1))) for e = epoch - 1 after an epoch at 1; or a half cosine."""
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+    if epoch == 0 or epochs == 1:  # the codebase divides by zero at K = 1; one epoch at lr
+        return 1.0
+    return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
+
+
+@torch.no_grad()
+def end_task(learner, t, tasks, splits, cfg, clock):
+    """Task t's end: DML's prototypes of its classes, the memory's update, the LoRA merge. Returns
+    the task's factors (A, B) per layer, from before the merge (for the analyses)."""
+    images = data.subset(splits.train_eval, tasks[t])  # the test transform
+    memory = learner.memory  # these passes run the forward as training ran it, round-off too
+    z, y = features(learner.model, images, cfg, clock, f"task {t + 1}'s prototypes", memory)
+    learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
+    if cfg.oe and cfg.memory == "oe":  # this task's OE basis joins the memory
+        learner.memory = learner.oe.merge(learner.memory)
+    elif cfg.oe and cfg.memory == "oe-rolling":  # the basis goes on to the next task as it is
+        learner.memory = list(learner.oe.basis)
+    elif cfg.oe:  # GPM's pass over the task's images, timed with the task: OE exists to avoid it
+        C = kv_covariance(learner.model, images, cfg, memory)
+        threshold = gpm_threshold(cfg, t)
+        learner.memory = [gpm_extend(M, C_i, threshold) for M, C_i in zip(learner.memory, C)]
+    layers = learner.model.lora_layers()
+    factors = [(layer.A.detach().clone(), layer.B.detach().clone()) for _, _, layer in layers]
+    for i, _, layer in layers:
+        layer.merge_(learner.memory[i])  # W += s B A, then a fresh pair with A off the memory
+    return factors
+
+
+@torch.no_grad()
+def class_prototypes(z, y, classes):
+    """(len(classes), D): each class's normalised mean of normalised features (DML's C_past)."""
+    z = F.normalize(z, dim=1)
+    return torch.stack([F.normalize(z[y == c].mean(0), dim=0) for c in classes])
+
+
+@torch.no_grad()
+def evaluate(model, heads, splits, tasks, cfg, clock=None):
+    """Row t of the accuracy matrices, per seen task: task-agnostic (the paper's: all seen heads, one
+    argmax, no task id) and task-aware (ours: the true task's head only); and the accuracy over
+    all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
+    seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
+    z, y = features(model, data.subset(splits.test, seen.tolist()), cfg, clock, "evaluation")
+    task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
+    for i, classes in enumerate(tasks[:len(heads)]):
+        task_of[classes] = i
+    logits = torch.cat([h(z) for h in heads], dim=1)  # (n, seen classes), in the order of `seen`
+    other_task = task_of[seen][None, :] != task_of[y][:, None]  # (n, seen classes)
+    agnostic = seen[logits.argmax(1)]
+    aware = seen[logits.masked_fill(other_task, -math.inf).argmax(1)]
+    rows = [[100.0 * float((pred == y)[task_of[y] == i].float().mean()) for i in range(len(heads))]
+            for pred in (agnostic, aware)]
+    return rows[0], rows[1], 100.0 * float((agnostic == y).float().mean())
+
+
+@torch.no_grad()
+def features(model, images, cfg, clock=None, what="", memory=None):
+    """z (n, D) and labels y (n,) of the images, in order (test transform)."""
+    zs, ys, done = [], [], 0
+    for x, y in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
+        with autocast(torch.device(cfg.device), cfg):
+            zs.append(model.encode(x.to(cfg.device), memory)[0].float())
+        ys.append(y.to(cfg.device))
+        done += len(y)
+        if clock and clock.passed("eval", len(y)):
+            clock.show(f"{what}: {done}/{len(images)} images")
+    return torch.cat(zs), torch.cat(ys)
+
+
+def autocast(device, cfg):
+    """bf16 autocast on CUDA unless --precision fp32 (the InfLoRA codebase's); none on the CPU."""
+    use = device.type == "cuda" and cfg.precision == "bf16"
+    return torch.autocast(device.type, torch.bfloat16, enabled=use)
+
+
+class Clock:
+    """Progress lines: one when 30 s have passed since the last, checked after each batch (a CPU
+    ViT-B step takes 90 s: then one a step), with the run's ETA from the images still to train and
+    to evaluate, each at its measured rate (evaluation, untimed, at a third of training's)."""
+
+    def __init__(self, train_images, eval_images, every=30.0):
+        self.left = {"train": train_images, "eval": eval_images}
+        self.images = {"train": 0, "eval": 0}
+        self.seconds = {"train": 0.0, "eval": 0.0}
+        self.every = every
+        self.shown = self.ticked = time.time()
+
+    def passed(self, kind, images):
+        """Count a batch done; True when a progress line is due."""
+        now = time.time()
+        self.seconds[kind] += now - self.ticked
+        self.ticked = now
+        self.images[kind] += images
+        self.left[kind] -= images
+        return now - self.shown >= self.every
+
+    def eta(self):
+        train = self.seconds["train"] / max(self.images["train"], 1)  # seconds an image
+        evaluate = self.seconds["eval"] / self.images["eval"] if self.images["eval"] else train / 3
+        return self.left["train"] * train + self.left["eval"] * evaluate
+
+    def show(self, line):
+        print(f"{line}  ETA {self.eta() / 60:.1f} min", flush=True)
+        self.shown = time.time()
+
+
+def run_seed(learner, splits, cfg, clock, record):
+    """One seed: every task not finished yet, in turn. record(learner, t, factors, memory) is the
+    program's (Part 2): the analyses, their lines and checkpoint.pt after each task."""
+    tasks = data.task_classes(splits.num_classes, cfg.tasks)
+    for t in range(len(learner.acc), cfg.tasks):
+        start = time.time()  # a task's time: training and the method's own passes, not the tests
+        start_task(learner, t, tasks, splits, cfg)
+        train_task(learner, t, tasks, splits, cfg, clock)
+        memory = learner.memory  # what this task's updates were to stay off
+        factors = end_task(learner, t, tasks, splits, cfg, clock)
+        learner.task_seconds.append(time.time() - start)
+        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg, clock)
+        learner.acc.append(acc)
+        learner.aware.append(aware)
+        learner.sample_acc.append(sample)
+        print(f"task {t + 1} accuracy per task: " + " ".join(f"{a:.2f}" for a in acc) +
+              f"  | mean {sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
+              f"{sum(aware) / len(aware):.2f}  | {learner.task_seconds[-1]:.1f} s", flush=True)
+        record(learner, t, factors, memory)
+    return learner
+
+
+def main(argv=None):
+    """python janus_min.py [flags]: every seed's tasks, then results.json and the plots."""
+    try:
+        cfg, saved = configure(argv)  # Part 2: the flags, checked; --resume: the run's own
+        if cfg.benchmark:
+            return benchmark(cfg)
+        if cfg.reproduce:
+            return reproduce(cfg, argv)
+        run = Run(cfg, saved)  # Part 2: the locked folder, log.txt, the data and the backbone
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C) while starting: nothing was saved", file=sys.stderr)
+        return 130
+    with run:  # Ctrl-C, SIGTERM, a diverged loss, a full disk: one line that says what to do
+        for seed in run.seeds_left():
+            learner = start_learner(cfg, seed, run.base_model)
+            run.restore(learner)  # a seed interrupted before goes on after its last finished task
+            run_seed(learner, run.splits, cfg, run.clock, run.record)
+            run.finish(learner)  # its entry in results.json
+        run.report()  # the summary, and the plots
+    return run.exit_code
+
+
+# ██████████████████████████████████████████████████████████████████████████████████████████████████
+# PART 2. The program around the method: the flags and their checks, the run folder (resume,
+# checkpoint, lock, signals), results and plots, the analyses' recording, the benchmark, and
+# --reproduce with the paper's numbers. Nothing above needs it to be understood.
+# ██████████████████████████████████████████████████████████████████████████████████████████████████
+
+# ---- The flags: the methods as presets, --help's groups, parsing and checks ----------------------
+# The methods of the paper's comparisons as flag sets: --method NAME puts them before the others.
+METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
+           "finetune": ["--no-oe", "--no-gr", "--no-dml"],
+           "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
+           "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
+           "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
+GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); the others 0.95, 1.0
+GROUPS = {  # --help's groups, in order: every field in one
+    "data": "dataset data_dir tasks epochs batch_size limit_per_class img_size input_range",
+    "model": "model weights patch_size rank lora_scale",
+    "method (the paper's, and our readings)": "method lr schedule k oe_lr oe_decay_steps delta "
+                                              "margin lambda_dml tau rectify memory gpm_threshold "
+                                              "lora_a",
+    "ablation (paper Table 1)": "oe gr dml",
+    "run": "seeds device precision compile workers resume",
+    "output and other modes": "out benchmark steps reproduce row dry_run"}
+EXAMPLES = """examples:
+  python janus_min.py --dataset cifar100 --data-dir data --seeds 0 1 2 3 4 --out runs/cifar
+  python janus_min.py --reproduce ablation --dataset fashion-mnist --data-dir DIR \\
+      --model vit_tiny --weights none --img-size 28 --patch-size 7 --limit-per-class 500 \\
+      --epochs 2 --out runs/ablation"""
+DESCRIPTION = ("Janus-LoRA (ICML 2026): class-incremental learning with a frozen ViT and LoRA,\n"
+               "made stable by OE + GR and plastic by DML. Flags by group; README.md has more.")
+
+
+class ConfigError(Exception):
+    """An impossible combination of flags, or a run folder that cannot be used."""
+
+
+UserError = (ConfigError, vit.CheckpointError, data.DataError)  # bad input: one line, exit 2
+
+
+def _require(ok, message):
+    if not ok:
+        raise ConfigError(message)
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"error: {message}; see python janus_min.py --help\n")
+
+
+def _parser(typed_only):
+    """Config's flags by group; typed_only: without defaults, so that it returns what was typed."""
+    p = _Parser(usage="python janus_min.py [flags]", description=DESCRIPTION, epilog=EXAMPLES,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                argument_default=argparse.SUPPRESS if typed_only else None)
+    group = {}
+    for title, names in GROUPS.items():
+        group.update(dict.fromkeys(names.split(), p.add_argument_group(title)))
+    choices = {"method": sorted(METHODS), "reproduce": list(REPRODUCE)}
+    for f in fields(Config):
+        kw = dict(f.metadata, **({"choices": choices[f.name]} if f.name in choices else {}))
+        if f.type is bool and f.default:
+            kw.update(help=f"turn off {kw['help']} (on by default)", action="store_false")
+            group[f.name].add_argument("--no-" + f.name, dest=f.name, **kw)
+            continue
+        if f.type is not bool:
+            kw.setdefault("type", {"int": int, "float": float}.get(f.type.__name__, str))
+            if f.default is not None:
+                shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+                kw["help"] += f" (default: {shown})"
+            if not typed_only:
+                kw["default"] = f.default
+        group[f.name].add_argument(_flag(f.name), **kw)
+    return p
+
+
+def parse_args(argv=None, typed_only=False):
+    """The Config of argv, a --method preset's flags put first (later flags override its values);
+    typed_only: a dict of the flags typed, and nothing else (what --resume compares)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    typed = vars(_parser(True).parse_args(argv))
+    if typed_only:
+        return typed
+    return Config(**vars(_parser(False).parse_args(METHODS.get(typed.get("method"), []) + argv)))
+
+
+def configure(argv=None):
+    """The command line's Config, checked; with --resume, the run's own (what is typed must agree)
+    and its checkpoint."""
+    cfg, saved = parse_args(argv), None
+    if cfg.resume and not cfg.reproduce:
+        cfg, saved = resume_config(cfg, parse_args(argv, typed_only=True))
+    return check_config(cfg), saved
+
+
+def check_config(cfg):
+    """Fill the data set's defaults; refuse impossible values with a line that says what to do."""
+    for key in ("tasks", "epochs", "batch_size", "img_size"):
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, data.DATASETS[cfg.dataset][key])
+    cfg.gpm_threshold = list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset, (0.95, 1.0)))
+    cfg.seeds = list(cfg.seeds)  # one form (a typed --seeds is a list), for --resume's comparison
+    if cfg.workers is None:  # the cores this process may use (sched_getaffinity: not everywhere)
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count())
+        cfg.workers = len(cores)
+    floats = [f.name for f in fields(Config) if f.type is float]
+    _require(all(math.isfinite(getattr(cfg, n)) for n in floats),
+             ", ".join(map(_flag, floats)) + " must be finite numbers")
+    for name in ("lr", "tau", "lora_scale", "delta", "oe_lr"):
+        _require(getattr(cfg, name) > 0, f"{_flag(name)} must be positive")
+    for name in ("epochs", "batch_size", "img_size", "patch_size", "oe_decay_steps", "steps",
+                 "limit_per_class"):
+        _require(getattr(cfg, name) is None or getattr(cfg, name) >= 1, f"{_flag(name)} must "
+                 "be at least 1")
+    for name in ("margin", "lambda_dml", "workers"):
+        _require(getattr(cfg, name) >= 0, f"{_flag(name)} must not be negative")
+    data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides the classes
+    width = vit.PRESETS[cfg.model].keywords["embed_dim"]
+    for name in ("rank", "k"):
+        _require(1 <= getattr(cfg, name) <= width,
+                 f"{_flag(name)} must lie in 1..{width} (the width of {cfg.model})")
+    _require(all(0 <= s < 2**32 for s in cfg.seeds), "--seeds must lie in 0 .. 2^32 - 1")
+    _require(len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: each seed once")
+    _require(cfg.weights == "none" or cfg.patch_size == 16 or cfg.benchmark,  # it: random ones
+             "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)")
+    _require(cfg.img_size % cfg.patch_size == 0, "--img-size must be a multiple of --patch-size")
+    _require(cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
+             "--input-range checkpoint needs a named --weights; a file does not say how it was "
+             "normalised: pass --input-range half (Google npz) or imagenet (DINO, torchvision)")
+    _require(0 < cfg.gpm_threshold[0] <= cfg.gpm_threshold[1] <= 1,
+             "--gpm-threshold takes two numbers 0 < first <= last <= 1")
+    _require(cfg.lora_a == "trained" or not cfg.gr,
+             "--lora-a inflora freezes A, and GR needs a trainable A: add --no-gr")
+    _require(not cfg.reproduce or not (cfg.method or cfg.resume),
+             "--reproduce chooses its rows' methods and resumes them: drop --method and --resume")
+    rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
+    _require(cfg.row is None or cfg.row in rows, f"--row {cfg.row}: --reproduce {cfg.reproduce} "
+             f"has the rows {', '.join(rows) or 'of a table: add --reproduce NAME'}")
+    return _check_device(cfg)
+
+
+def _check_device(cfg):
+    """auto: CUDA where there is a GPU; cuda:N must name one that torch sees."""
+    _require(cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")
+             and cfg.device[5:].isdigit(), f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = torch.cuda.device_count()
+    _require(not cfg.device.startswith("cuda") or int(cfg.device.partition(":")[2] or 0) < gpus,
+             f"--device {cfg.device} asked for, but torch sees {gpus} GPU(s); use --device cpu or "
+             "an index below that")
+    return cfg
+
+
+# ---- The run folder: resume, checkpoint.pt, the lock, log.txt, signals ---------------------------
+RESUME_FREE = ("out", "resume", "device", "workers", "compile", "seeds")  # may change on --resume
+CHECKPOINT_FORMAT = 5  # raised whenever checkpoint.pt's content changes: old files are refused
+MEASURED = ("acc", "aware", "sample_acc", "task_seconds", "throughput", "warnings", "analyses")
+_q = data.quoted  # a path as one shell word, so that a suggested command pastes as it is
+
+
+class DiskFull(Exception):
+    """A file of the run could not be written; the last complete one is kept."""
+
+
+class Stopped(Exception):
+    """SIGTERM, as cluster schedulers send it: handled as Ctrl-C is."""
+
+
+def resume_config(cfg, typed):
+    """--resume DIR: the Config saved in DIR, which the flags typed must agree with (but those of
+    RESUME_FREE; seeds may be added), and its checkpoint."""
+    folder = cfg.resume
+    if os.path.basename(os.path.normpath(folder)) == "checkpoint.pt":  # the file for its folder
+        folder = os.path.dirname(os.path.normpath(folder)) or "."
+    ckpt = read_checkpoint(folder)
+    saved = ckpt["config"]
+    clash = [k for k, v in typed.items() if k not in RESUME_FREE and v != saved[k]]
+    _require(not clash, f"--resume {_q(folder)}: the run there has " + ", ".join(
+        f"{_flag(k)} {saved[k]}" for k in clash) + "; drop those flags (--resume alone continues "
+        "it) or start a new run with --out")
+    seeds = list(typed.get("seeds", saved["seeds"]))
+    _require(set(seeds) >= set(saved["seeds"]), f"--resume {_q(folder)}: its seeds are "
+             f"{' '.join(map(str, saved['seeds']))}; give those (and more, to add seeds) or none")
+    free = dict(device=typed.get("device", "auto"), workers=typed.get("workers"),
+                compile=typed.get("compile", saved["compile"]), seeds=seeds)
+    return Config(**{**saved, **free, "out": folder, "resume": folder}), ckpt
+
+
+def read_checkpoint(folder):
+    """checkpoint.pt of a run folder, checked: there, readable, ours and of this version."""
+    path = os.path.join(folder, "checkpoint.pt")
+    _require(os.path.isfile(path) or not os.path.isfile(os.path.join(folder, "results.json")),
+             f"--resume {_q(folder)}: its results.json stays as it is, but without checkpoint.pt "
+             "nothing there can be continued; start a new run with --out ANOTHER_FOLDER")
+    _require(os.path.isfile(path), f"--resume {_q(folder)}: no checkpoint.pt there (a run saves "
+             "one after its first task); start the run again with --out")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data
+    except Exception as e:  # unreadable for whatever reason: the user's to replace
+        raise ConfigError(f"--resume {_q(folder)}: checkpoint.pt cannot be read "
+                          f"({type(e).__name__}); remove the folder and start again") from None
+    _require(isinstance(ckpt, dict) and ckpt.get("format") == CHECKPOINT_FORMAT,
+             f"--resume {_q(folder)}: checkpoint.pt was written by another version of janus_min.py"
+             " (or is not ours); finish that run with the version that wrote it, or start again")
+    return ckpt
+
+
+def check_folder(folder, flag):
+    """Refuse now, before any data or model loads, a run folder that cannot be made or written."""
+    _require(folder != "", f"{flag} \"\": name a folder")
+    nearest = os.path.abspath(folder)
+    while not os.path.exists(nearest):  # the deepest part that exists: where the rest is made
+        nearest = os.path.dirname(nearest)
+    _require(os.path.isdir(nearest), f"{flag} {_q(folder)}: {_q(nearest)} is a file, not a "
+             f"folder; choose another {flag}")
+    _require(os.access(nearest, os.W_OK | os.X_OK), f"{flag} {_q(folder)}: {_q(nearest)} cannot "
+             "be written (read-only); choose a folder you can write")
+
+
+def lock_folder(folder, flag):
+    """DIR/run.lock, created only where there is none: one run writes to a folder at a time."""
+    path = os.path.join(folder, "run.lock")
+    try:
+        with open(path, "x") as f:
+            f.write(f"process {os.getpid()} on {socket.gethostname()}")
+    except FileExistsError:
+        with open(path) as f:
+            holder = f.read().strip() or "another process"
+        then = "run --resume again" if flag == "--resume" else "choose another --out"
+        raise ConfigError(f"{_q(folder)} is in use by the run of {holder}; wait for it to end or "
+                          f"stop it, then {then} (if no run writes there any more, delete "
+                          f"{_q(path)})") from None
+    return path
+
+
+def save_file(path, write):
+    """write(tmp), then rename: an interruption or a full disk leaves the last complete file."""
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        why = "the disk is full" if getattr(e, "errno", None) == 28 else "is the disk full?"
+        raise DiskFull(f"{_q(path)} could not be written ({why}: {type(e).__name__}); the "
+                       "last complete one is kept") from None
+    os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    def dump(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+    save_file(path, dump)
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped
+
+
+class Tee:
+    """A console stream that also writes each line to log.txt, after a timestamp."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+        self.line_start = True
+
+    def write(self, text):
+        self.stream.write(text)
+        for piece in text.splitlines(keepends=True):
+            if self.line_start:
+                self.log.write(time.strftime("%Y-%m-%d %H:%M:%S  "))
+            self.log.write(piece)
+            self.line_start = piece.endswith("\n")
+        self.log.flush()
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):  # encoding, isatty, fileno: the console's
+        return getattr(self.stream, name)
+
+
+class Run:
+    """A run in its folder: locked, its console lines in log.txt, checkpoint.pt after each task,
+    results.json after each seed; and the data and the backbone it trains on."""
+
+    def __init__(self, cfg, saved):
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.out = cfg.resume or (os.path.join("runs", f"{cfg.dataset}-{stamp}") if cfg.out is None
+                                  else cfg.out)
+        self.flag = "--resume" if cfg.resume else "--out"
+        check_folder(self.out, self.flag)
+        _require(cfg.resume or not any(os.path.exists(os.path.join(self.out, name))
+                                       for name in ("checkpoint.pt", "results.json")),
+                 f"{_q(self.out)} already holds a run; continue it with --resume {_q(self.out)} "
+                 "or choose another --out")
+        made = [p for p in (self.out, os.path.join(self.out, "log.txt")) if not os.path.exists(p)]
+        os.makedirs(self.out, exist_ok=True)
+        self.lock = lock_folder(self.out, self.flag)  # before the data: a busy folder is told now
+        self.log = open(os.path.join(self.out, "log.txt"), "a", encoding="utf-8")
+        self.streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = Tee(sys.stdout, self.log), Tee(sys.stderr, self.log)
+        try:
+            self.splits, self.base_model = load_data_and_model(cfg)
+        except BaseException:  # bad data or weights, Ctrl-C: leave the folder as it was
+            self.close()
+            for path in reversed(made):  # log.txt, then the folder if this run made it
+                if os.path.isfile(path):
+                    os.remove(path)
+                elif not os.listdir(path):
+                    os.rmdir(path)
+            raise
+        cfg.out = self.out  # results.json's config names the folder, after a resume too
+        self.cfg, self.saved, self.current, self.exit_code = cfg, saved, None, 0
+        self.results = {"config": asdict(cfg), "environment": environment(cfg),
+                        "runs": saved["runs"] if saved else []}
+        self.clock = Clock(*images_to_pass(cfg, self.splits, self.seeds_left(), saved))
+
+    def close(self):
+        sys.stdout, sys.stderr = self.streams
+        self.log.close()
+        os.remove(self.lock)
+
+    def __enter__(self):
+        self.sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+        cfg, splits = self.cfg, self.splits
+        print(f"{cfg.dataset}: {len(splits.train)} training / {len(splits.test)} test images, "
+              f"{splits.num_classes} classes, {cfg.tasks} tasks; {describe(asdict(cfg))}; "
+              f"device {cfg.device}; out {_q(self.out)}", flush=True)
+        width = self.base_model.embed_dim
+        if cfg.oe and cfg.memory == "oe" and cfg.k * (cfg.tasks - 1) >= width:
+            full = -(-width // cfg.k)
+            print(f"note: k x (T - 1) = {cfg.k * (cfg.tasks - 1)} reaches the block width {width}: "
+                  f"the memory is full after task {full} and K/V learn nothing from task "
+                  f"{full + 1} on")
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        saved = os.path.exists(os.path.join(self.out, "checkpoint.pt"))
+        resume = f"continue with: python janus_min.py --resume {_q(self.out)}"
+        if kind in (KeyboardInterrupt, Stopped):
+            name, self.exit_code = ("Ctrl-C", 130) if kind is KeyboardInterrupt else ("SIGTERM", 143)
+            print(f"\ninterrupted ({name}): " + (
+                f"{_q(self.out)}/checkpoint.pt holds the tasks finished so far; {resume}" if saved
+                else "no task had finished, so nothing was saved; start the run again"), flush=True)
+        elif kind is FloatingPointError:
+            print(f"error: {error}", file=sys.stderr)
+            self.exit_code = 2
+        elif kind is DiskFull:
+            then = f"free some space, then {resume}" if saved else "free some space and start again"
+            print(f"error: {error}; {then}", file=sys.stderr)
+            self.exit_code = 1
+        signal.signal(signal.SIGTERM, self.sigterm)
+        self.close()
+        return kind in (KeyboardInterrupt, Stopped, FloatingPointError, DiskFull)
+
+    def seeds_left(self):
+        done = {r["seed"] for r in self.results["runs"]}
+        return [s for s in self.cfg.seeds if s not in done]
+
+    def restore(self, learner):
+        """A seed that an interruption stopped: its state after its last finished task."""
+        state = self.saved and self.saved["current"]
+        if state and state["seed"] == learner.seed:
+            restore(learner, state, self.cfg)
+            print(f"seed {learner.seed}: resumed after task {len(learner.acc)}", flush=True)
+
+    def record(self, learner, t, factors, memory):
+        """After task t: the paper's analyses, their lines, and checkpoint.pt."""
+        record_analyses(learner, t, factors, memory, self.splits, self.cfg)
+        self.current = snapshot(learner)
+        save_checkpoint(self.out, self.cfg, self.results["runs"], self.current)
+
+    def finish(self, learner):
+        """A seed's last task done: its entry in results.json, and the summary so far."""
+        self.results["runs"].append(results_entry(learner, self.cfg.tasks))
+        save_checkpoint(self.out, self.cfg, self.results["runs"], self.current)
+        self.results["summary"] = summarize(self.results["runs"])
+        write_json(os.path.join(self.out, "results.json"), self.results)
+
+    def report(self):
+        """The run's end: results.json's summary, the summary lines, the plots."""
+        self.results["summary"] = summarize(self.results["runs"])
+        write_json(os.path.join(self.out, "results.json"), self.results)
+        print_summary(self.results)
+        plot(self.results, self.out)
+        print(f"wrote {_q(os.path.join(self.out, 'results.json'))}")
+
+
+def load_data_and_model(cfg):
+    """The data set's splits in the input range asked for, and the backbone (copied per seed)."""
+    scale = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else cfg.input_range
+    mean_std = vit.MEAN_STD.get(scale, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
+    splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, *mean_std, seed=0,
+                               limit_per_class=cfg.limit_per_class)
+    return splits, build_model(cfg)
+
+
+def images_to_pass(cfg, splits, seeds, saved):
+    """(images to train, images to evaluate) in the seeds still to run, for the ETA: each task's
+    training images per epoch; its prototypes' pass and the test images of the tasks seen."""
+    tasks = data.task_classes(splits.num_classes, cfg.tasks)
+    train = [sum(splits.train.targets.count(c) for c in classes) for classes in tasks]
+    test = [sum(splits.test.targets.count(c) for c in classes) for classes in tasks]
+    evaluated = [train[t] + sum(test[:t + 1]) for t in range(cfg.tasks)]
+    state = saved and saved["current"]
+    done = len(state["acc"]) if state and seeds and state["seed"] == seeds[0] else 0
+    return (sum(train) * len(seeds) - sum(train[:done])) * cfg.epochs, \
+        sum(evaluated) * len(seeds) - sum(evaluated[:done])
+
+
+def snapshot(learner):
+    """checkpoint.pt's "current": all the next task needs, what was measured, the generator."""
+    kv = {n: t for n, t in learner.model.state_dict().items() if ".attn.k." in n or ".attn.v." in n}
+    return {"seed": learner.seed, "kv": kv, "oe_basis": learner.oe.basis,
+            "oe_steps": learner.oe.steps, "memory": learner.memory,
+            "heads": learner.heads.state_dict(), "prototypes": learner.prototypes,
+            "rng": torch.get_rng_state(), **{key: getattr(learner, key) for key in MEASURED}}
+
+
+def restore(learner, state, cfg):
+    """The learner as snapshot(learner) saved it; the rest of the backbone is the pretrained one."""
+    def here(value):
+        return value.to(cfg.device) if torch.is_tensor(value) else value
+    learner.model.load_state_dict(state["kv"], strict=False)  # K and V with the tasks merged in
+    learner.oe.basis, learner.oe.steps = here(state["oe_basis"]), state["oe_steps"]
+    learner.memory = [here(M) for M in state["memory"]]
+    tasks = data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)
+    for classes in tasks[:len(state["acc"])]:
+        learner.heads.append(torch.nn.Linear(learner.model.embed_dim, len(classes)))
+    learner.heads.load_state_dict(state["heads"])
+    learner.heads.to(cfg.device)
+    learner.prototypes = here(state["prototypes"])
+    for key in MEASURED:
+        setattr(learner, key, state[key])
+    torch.set_rng_state(state["rng"])
+
+
+def save_checkpoint(out, cfg, runs, current):
+    """checkpoint.pt, written then renamed: Ctrl-C or a full disk leaves the last one intact."""
+    ckpt = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg), "runs": runs, "current": current}
+
+    def write(tmp):
+        torch.save(ckpt, tmp)
+    save_file(os.path.join(out, "checkpoint.pt"), write)
+
+
+def environment(cfg):
+    """What results.json needs to say where its numbers come from."""
+    import torchvision  # noqa: PLC0415 -- its version only
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        git = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or None  # none outside a git checkout
+    except OSError:  # no git on this machine
+        git = None
+    if cfg.device.startswith("cuda"):
+        device = torch.cuda.get_device_name(cfg.device)
+    else:
+        device = f"cpu ({torch.get_num_threads()} threads)"
+    return {"torch": torch.__version__, "torchvision": torchvision.__version__, "device": device,
+            "git_commit": git}
+
+
+def load_run(folder, device="cpu"):
+    """(cfg, Learner) of the state checkpoint.pt holds: a finished run's final model (merged K and V
+    weights, heads, prototypes, memories). The rest of the backbone comes from cfg.weights."""
+    ckpt = read_checkpoint(folder)
+    cfg = Config(**{**ckpt["config"], "device": device})
+    learner = start_learner(cfg, ckpt["current"]["seed"], build_model(cfg))
+    restore(learner, ckpt["current"], cfg)
+    return cfg, learner
+
+
+# ---- Results: results.json and the summary -------------------------------------------------------
+def metrics(acc):
+    """ACC, MAA, BWT (Sec. 4.1) of acc[t][i], the accuracy (%) on task i after task t (i <= t is
+    read); BWT is undefined (None) with one task."""
+    T = len(acc)
+    maa = sum(sum(acc[t][: t + 1]) / (t + 1) for t in range(T)) / T
+    bwt = sum(acc[T - 1][i] - acc[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else None
+    return {"ACC": sum(acc[T - 1][:T]) / T, "MAA": maa, "BWT": bwt}
+
+
+def results_entry(learner, T):
+    """A seed's entry of results.json; rows padded with None to T columns."""
+    def padded(rows):
+        return [row + [None] * (T - len(row)) for row in rows]
+    return {"seed": learner.seed, "acc_matrix": padded(learner.acc), **metrics(learner.acc),
+            "task_aware": {"acc_matrix": padded(learner.aware), **metrics(learner.aware)},
+            "sample_acc": learner.sample_acc, "task_seconds": learner.task_seconds,
+            **learner.analyses, "throughput": learner.throughput, "warnings": learner.warnings}
+
+
+def summarize(runs):
+    """Mean and std over seeds of ACC, MAA, BWT, and of the same three for task-aware accuracy."""
+    def stats(values):  # undefined (None) if any run's is, as BWT with one task
+        if any(v is None for v in values):
+            return {"mean": None, "std": None}
+        return {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+    out = {key: stats([r[key] for r in runs]) for key in ("ACC", "MAA", "BWT")}
+    out["sample_ACC"] = stats([r["sample_acc"][-1] for r in runs])  # over the final test samples
+    out["task_aware"] = {key: stats([r["task_aware"][key] for r in runs])
+                         for key in ("ACC", "MAA", "BWT")}
+    return out
+
+
+def _stat(s):
+    return "undefined" if s["mean"] is None else f"{s['mean']:.2f} +- {s['std']:.2f}"
+
+
+def print_summary(results):
+    last, s = results["runs"][-1], results["summary"]
+    T = len(last["acc_matrix"])
+    print(f"accuracy (%) on each task (columns) after each task (rows), seed {last['seed']}:")
+    print("after task | " + " ".join(f"task {i + 1:<2d}" for i in range(T)))
+    for t, row in enumerate(last["acc_matrix"]):
+        print(f"{t + 1:10d} | " + " ".join(f"{_fmt(a, '.1f'):>7s}" for a in row))
+    print("  ".join(f"{k} {_stat(s[k])}" for k in ("ACC", "MAA", "BWT", "sample_ACC")) +
+          f"  over {len(results['runs'])} seed(s); task-aware: ACC {_stat(s['task_aware']['ACC'])}"
+          f"  BWT {_stat(s['task_aware']['BWT'])}")
+    print("ACC: mean accuracy over the tasks after the last; MAA: mean over tasks of the accuracy "
+          "on the tasks seen so far; BWT: mean change of a task's accuracy from right after it to "
+          "the end (negative: forgetting); sample_ACC: ACC over all test samples (InfLoRA's logs); "
+          "task-aware (ours): the argmax over the true task's head only")
+    print(f"time per task (s): {' '.join(f'{x:.1f}' for x in last['task_seconds'])}; total "
+          f"{sum(last['task_seconds']):.1f} s")
+    for run in results["runs"]:
+        for warning in run["warnings"]:
+            print(f"WARNING (seed {run['seed']}): {warning}")
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _mean(values):
+    """The mean of the defined values (None: undefined, left out), or None."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def describe(config):
+    """The method's switches in words: the preset's name, and OE (memory), GR (rectify), DML."""
+    c = config
+    return (f"{c['method'] or 'custom'}: OE {c['oe']} ({c['memory']}) GR {c['gr']} "
+            f"({c['rectify']}) DML {c['dml']}")
+
+
+# ---- The paper's analyses, recorded after each task: the null-space violation against the memory
+# and on real activations (Fig. 2), DML's geometry (Fig. 3 and the appendix's density) -------------
+def record_analyses(learner, t, factors, memory, splits, cfg):
+    """Task t's analyses into learner.analyses, and their lines. factors: each layer's (A, B) of
+    the task, before the merge; memory: what they were to stay off."""
+    a = learner.analyses
+    if not a:
+        a.update(violation={"k": [], "v": []}, interference=[], geometry=[])
+    layers = learner.model.lora_layers()
+    for name in ("k", "v"):
+        a["violation"][name].append([violation(A, B, memory[i]) for (A, B), (i, n, _)
+                                     in zip(factors, layers) if n == name])
+    if t > 0 and cfg.oe:  # task 1 has no memory to violate
+        viol = {n: " ".join(_fmt(v, ".3f") for v in a["violation"][n][-1]) for n in "kv"}
+        print(f"task {t + 1} violation ||dW M||/||dW|| per block  K: {viol['k']}  V: {viol['v']}")
+    if t == 0:  # no past tasks, no old prototypes
+        a["interference"].append(None)
+        a["geometry"].append(None)
+        return
+    tasks = data.task_classes(splits.num_classes, cfg.tasks)
+    current = torch.zeros(splits.num_classes, dtype=torch.bool, device=cfg.device)
+    current[tasks[t]] = True
+    probe = Probe(factors, cfg.lora_scale, current, cfg.device)
+    seen = [c for classes in tasks[:t + 1] for c in classes]
+    probe.read(learner.model, data.subset(splits.test, seen), cfg)
+    a["interference"].append(probe.interference())
+    a["geometry"].append(dml_geometry(torch.cat(probe.z), torch.cat(probe.y),
+                                      learner.prototypes, tasks[t][0]))
+    g = a["geometry"][-1]
+    print(f"task {t + 1} DML geometry: cos_old > 0.5 {g['danger']:.3f}, < 0.2 {g['safe']:.3f}, "
+          f"cos_old > cos_own {g['closer_to_old']:.3f}", flush=True)
+
+
+@torch.no_grad()
+def violation(A, B, M):
+    """||dW M||_F / ||dW||_F of a task's update dW = s B A, never forming dW; None where it is
+    undefined (no memory yet, or no update, as under a full memory)."""
+    den = ((B.T @ B) * (A @ A.T)).sum().clamp_min(0).sqrt()  # ||B A||_F^2 = tr(B^T B A A^T)
+    if M.shape[1] == 0 or den == 0:
+        return None
+    return float((B @ (A @ M)).norm() / den)
+
+
 class Probe:
-    """Task t's analyses from the evaluation's own pass over the seen tasks' test images: each K/V
-    layer's interference ||X dW_t^T||_F^2 on the past tasks' inputs and the current task's, and
-    the current task's features. factors: per layer, the task's (A, B) before the merge."""
+    """Task t's analyses from a pass over the seen tasks' test images: each K/V layer's
+    interference ||X dW_t^T||_F^2 on the past tasks' inputs and the current task's, and the
+    current task's features. factors: per layer, the task's (A, B) before the merge."""
 
     def __init__(self, factors, scale, current, device):
         self.factors, self.scale, self.current = factors, scale, current  # current: (classes,)
         self.energy = torch.zeros(2, len(factors), device=device)  # (past, current) x layers
         self.tokens = torch.zeros(2, device=device)
         self.z, self.y = [], []
+
+    @torch.no_grad()
+    def read(self, model, images, cfg):
+        for x, y in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
+            with autocast(torch.device(cfg.device), cfg):
+                z, kv_inputs = model.encode(x.to(cfg.device))
+            self.add(z.float(), kv_inputs, y.to(cfg.device))
 
     def add(self, z, kv_inputs, y):
         now = self.current[y]  # (B,) bool: a sample of the current task
@@ -599,8 +1276,8 @@ class Probe:
     def interference(self):
         """Per layer: the RMS of x dW^T over past tokens, over current ones, and their ratio."""
         past, now = (self.energy / self.tokens[:, None]).sqrt().tolist()
-        return {"past": past, "current": now, "ratio": [p / c if c > 0 else None
-                                                         for p, c in zip(past, now)]}
+        ratio = [p / c if c > 0 else None for p, c in zip(past, now)]
+        return {"past": past, "current": now, "ratio": ratio}
 
 
 def dml_geometry(z, y, prototypes, old, bins=20):
@@ -610,386 +1287,41 @@ def dml_geometry(z, y, prototypes, old, bins=20):
     z = F.normalize(z.float(), dim=1)
     cos_old = (z @ prototypes[:old].T).amax(1)  # (n,)
     cos_own = (z * prototypes[y]).sum(1)
-    share = lambda mask: float(mask.float().mean())
-    return {"danger": share(cos_old > 0.5), "safe": share(cos_old < 0.2),
-            "closer_to_old": share(cos_old > cos_own),
+    return {"danger": float((cos_old > 0.5).float().mean()),
+            "safe": float((cos_old < 0.2).float().mean()),
+            "closer_to_old": float((cos_old > cos_own).float().mean()),
             "hist": (torch.histc(cos_old, bins, -1, 1) / len(z)).tolist(),
             "cos_old": [round(v, 4) for v in cos_old.tolist()],
             "cos_own": [round(v, 4) for v in cos_own.tolist()]}
 
 
-# ==================================================================================================
-# The class-incremental task loop: a Learner is trained task by task (train_task, end_task)
-# ==================================================================================================
-def build_model(cfg):
-    torch.manual_seed(0)  # with --weights none, a random backbone plays the checkpoint: one for all
-    model = vit.PRESETS[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size,
-                                   lora_rank=cfg.rank, lora_scale=cfg.lora_scale)
-    vit.load_pretrained(model, cfg.weights)
-    return model.eval()  # for good: the ViT has no dropout, and training never switches modes
+# ---- Plots (matplotlib, if installed) ------------------------------------------------------------
+def _pyplot():
+    """matplotlib's pyplot without a display, or None where matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: PLC0415 -- optional: only the plots need it
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    return plt
 
 
-def lr_factor(epoch, epochs, schedule):
-    """The lr of a task's epoch, as a factor of --lr: InfLoRA's CosineSchedule as its code steps
-    it, cos(99 pi e / (200 (K - 1))) for e = epoch - 1 after an epoch at 1; or a half cosine."""
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
-    if epoch == 0 or epochs == 1:  # the codebase divides by zero at K = 1; one epoch at lr
-        return 1.0
-    return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
-
-
-@torch.no_grad()
-def features(model, loader, cfg, probe=None):
-    """(z (n, D), y (n,)) of the loader's images; a probe also sees each batch's K/V inputs."""
-    zs, ys, device = [], [], torch.device(cfg.device)
-    for images, y in loader:
-        images, y = images.to(device, non_blocking=True), y.to(device)
-        with autocast(device, cfg):
-            z, kv_inputs = model.encode(images) if probe else (model(images), None)
-        zs.append(z.float())
-        ys.append(y)
-        if probe:
-            probe.add(zs[-1], kv_inputs, y)
-    return torch.cat(zs), torch.cat(ys)
-
-
-@torch.no_grad()
-def class_prototypes(z, y, classes):
-    """(len(classes), D): each class's normalised mean of normalised features (DML's C_past)."""
-    z = F.normalize(z, dim=1)
-    return torch.stack([F.normalize(z[y == c].mean(0), dim=0) for c in classes])
-
-
-@torch.no_grad()
-def evaluate(model, heads, splits, tasks, cfg, probe=None):
-    """Row t of the accuracy matrices, per seen task: task-agnostic (the paper: all seen heads, one
-    argmax, no task id) and task-aware (ours: the true task's head only); and the accuracy over
-    all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
-    seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
-    test = data.subset(splits.test, seen.tolist())
-    loader = data.make_loader(test, cfg.batch_size, False, cfg.workers, 0, cfg.device)
-    z, y = features(model, loader, cfg, probe)
-    task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
-    for i, classes in enumerate(tasks[:len(heads)]):
-        task_of[classes] = i
-    logits = torch.cat([h(z) for h in heads], dim=1)  # (n, seen classes), in the order of `seen`
-    other_task = task_of[seen][None, :] != task_of[y][:, None]  # (n, seen classes)
-    rows = []
-    for pred in (seen[logits.argmax(1)], seen[logits.masked_fill(other_task, -math.inf).argmax(1)]):
-        rows.append([100.0 * float((pred == y)[task_of[y] == i].float().mean())
-                     for i in range(len(heads))])
-    return rows[0], rows[1], 100.0 * float((seen[logits.argmax(1)] == y).float().mean())
-
-
-@dataclass
-class Learner:
-    """One seed's run: what a task leaves to the next, and what was measured so far."""
-    seed: int
-    model: torch.nn.Module
-    subspace: OnlineSubspace  # OE's bases V (blocks, D, k) and, with --memory oe, their memory
-    memory: list  # the protected memory M of each block, (D, m): what the projection uses
-    heads: torch.nn.ModuleList  # one linear head per finished task
-    prototypes: torch.Tensor  # (old classes, D), unit rows: DML's C_past
-    acc: list = field(default_factory=list)  # task-agnostic accuracy rows (the paper's)
-    aware: list = field(default_factory=list)  # task-aware rows (ours)
-    sample_acc: list = field(default_factory=list)  # per row, over all seen test samples
-    task_seconds: list = field(default_factory=list)
-    violation: dict = field(default_factory=lambda: {"k": [], "v": []})  # per task, per block
-    interference: list = field(default_factory=list)  # per task: Probe.interference(), or None
-    geometry: list = field(default_factory=list)  # per task: dml_geometry(...), or None
-    throughput: list = field(default_factory=list)  # per task: images/s of each epoch
-    warnings: list = field(default_factory=list)  # what makes the numbers invalid (divergence)
-
-    MEASURED = ("acc", "aware", "sample_acc", "task_seconds", "violation", "interference",
-                "geometry", "throughput", "warnings")
-
-    def snapshot(self, tasks):
-        """The checkpoint's "current": all the next task needs, and the run's generator."""
-        kv = {n: t for n, t in self.model.state_dict().items() if re.search(r"\.attn\.[kv]\.", n)}
-        return {"seed": self.seed, "kv": kv, "subspace": self.subspace.state_dict(),
-                "memory": self.memory, "heads": self.heads.state_dict(),
-                "prototypes": self.prototypes,
-                "tasks": tasks, "rng": torch.get_rng_state(),
-                **{key: getattr(self, key) for key in self.MEASURED}}
-
-    def restore(self, state, tasks):
-        device = self.prototypes.device
-        to = lambda v: v.to(device) if torch.is_tensor(v) else v
-        self.subspace.load_state_dict({k: to(v) for k, v in state["subspace"].items()})
-        self.memory = [to(m) for m in state["memory"]]
-        self.model.load_state_dict(state["kv"], strict=False)  # K and V; the rest is pretrained
-        set_memories(self.model, self.memory)
-        D = self.model.embed_dim
-        self.heads.extend(torch.nn.Linear(D, len(c)) for c in tasks[:len(state["acc"])])
-        self.heads.load_state_dict(state["heads"])
-        self.heads.to(device)
-        self.prototypes = to(state["prototypes"])
-        for key in self.MEASURED:
-            setattr(self, key, state[key])
-        torch.set_rng_state(state["rng"])
-
-    def results(self, T):
-        """The seed's entry of results.json; rows padded with None to T columns."""
-        pad = lambda rows: [row + [None] * (T - len(row)) for row in rows]
-        return {"seed": self.seed, "acc_matrix": pad(self.acc), **metrics(self.acc),
-                "task_aware": {"acc_matrix": pad(self.aware), **metrics(self.aware)},
-                **{key: getattr(self, key) for key in self.MEASURED if key not in ("acc", "aware")}}
-
-
-def start_learner(cfg, seed, base_model, tasks, resume=None):
-    """A fresh Learner for `seed` (the backbone copied, never changed), or the one in `resume`."""
-    torch.manual_seed(seed)  # the only generator a run draws from (the loaders seed their own)
-    device = torch.device(cfg.device)
-    model = copy.deepcopy(base_model).to(device)
-    for _, _, layer in model.lora_layers():
-        layer.reset_lora_()  # the first task's A comes from this seed too
-    for block in model.blocks if cfg.compile else []:
-        block.compile()  # in place: the parameter names, and so the checkpoints, stay the same
-    L, D = len(model.blocks), model.embed_dim
-    subspace = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device, blocks=L)
-    learner = Learner(seed, model, subspace, [torch.zeros(D, 0, device=device)] * L,
-                      torch.nn.ModuleList(), torch.zeros(0, D, device=device))
-    if resume is not None:
-        learner.restore(resume, tasks)
-    return learner
-
-
-class Progress:
-    """The run's progress lines, to the console (flushed; in place on a terminal) and to DIR/log.txt
-    (appended on resume). While a task trains, a heartbeat thread writes the loop's latest state
-    at least every `every` seconds, however long a step takes (minutes for ViT-B on a CPU), with
-    the run's ETA, evaluation included (its images are timed apart from the training's)."""
-
-    def __init__(self, folder, every=30.0):
-        self.file = open(os.path.join(folder, "log.txt"), "a", encoding="utf-8")
-        self.tty, self.every, self.last = sys.stdout.isatty(), every, time.time()
-        self.seconds, self.images = {"train": 0.0, "eval": 0.0}, {"train": 0, "eval": 0}
-        self.left = {"train": 0, "eval": 0}  # images still to pass, set by plan()
-        self.describe, self.lock, self.stop = None, threading.Lock(), threading.Event()
-        self.thread = threading.Thread(target=self._beat, daemon=True)
-        self.thread.start()
-
-    def log(self, line, in_place=False):
-        with self.lock:  # the heartbeat writes too
-            print("\r\033[K" * self.tty + line, end="" if in_place else "\n", flush=True)
-            if not in_place:
-                self.file.write(line + "\n")
-                self.file.flush()
-            self.last = time.time()
-
-    def plan(self, train, evaluation):
-        self.left = {"train": train, "eval": evaluation}
-
-    def done(self, kind, images, seconds):
-        self.seconds[kind] += seconds
-        self.images[kind] += images
-        self.left[kind] -= images
-
-    def eta(self):
-        """Seconds left: the images still to train and to evaluate, each at its measured rate (an
-        evaluation not yet timed at a third of training's: a forward pass, no backward)."""
-        train = self.seconds["train"] / max(self.images["train"], 1)
-        evaluate = self.seconds["eval"] / self.images["eval"] if self.images["eval"] else train / 3
-        return self.left["train"] * train + self.left["eval"] * evaluate
-
-    def step(self, describe):
-        """The training loop's latest state, as a function that words it (None: not training)."""
-        self.describe = describe
-
-    def beat(self):
-        """A line of the loop's state if none came for `every` s; in place each second on a tty."""
-        describe = self.describe
-        if describe and time.time() - self.last >= (1.0 if self.tty else self.every):
-            self.log(describe(), in_place=self.tty)
-
-    def _beat(self):
-        while not self.stop.wait(1.0):
-            self.beat()
-
-    def close(self):
-        self.stop.set()
-        self.thread.join()
-        self.file.close()
-
-
-def start_task(learner, t, tasks, splits, cfg):
-    """Task t's start: a fresh head; with --lora-a inflora, InfLoRA designs each block's A from
-    the task's K/V inputs (test transform) off the memory, and freezes it."""
-    model, device = learner.model, learner.prototypes.device
-    learner.heads.append(torch.nn.Linear(model.embed_dim, len(tasks[t])).to(device))
-    learner.subspace.steps = 0  # each task's OE starts with large steps (README)
-    for _, _, layer in model.lora_layers():
-        layer.A.requires_grad_(cfg.lora_a == "trained")  # InfLoRA trains B only
-    if cfg.lora_a != "inflora":
+def plot(results, out):
+    """trajectory.png, violation.png, angular.png (the first seed's analyses)."""
+    plt = _pyplot()
+    if plt is None:
+        print("matplotlib is not installed: no plots (results.json has the numbers)")
         return
-    loader = data.make_loader(data.subset(splits.train_eval, tasks[t]), cfg.batch_size, False,
-                              cfg.workers, 0, device)
-    C = kv_covariance(model, loader, cfg)  # (L, D, D)
-    A = [inflora_a(C_i, M, cfg.rank) for C_i, M in zip(C, learner.memory)]  # K, V share an A
-    with torch.no_grad():
-        for i, _, layer in model.lora_layers():
-            layer.A.copy_(A[i])
-
-
-def train_task(learner, t, classes, splits, cfg, progress):
-    """Task t's training: Adam on the LoRA pairs and the task's head, cfg.epochs epochs."""
-    device, model, head = learner.prototypes.device, learner.model, learner.heads[-1]
-    local = torch.full((splits.num_classes,), -1, dtype=torch.long, device=device)
-    local[classes] = torch.arange(len(classes), device=device)  # global class id -> index in head
-    loader = data.make_loader(data.subset(splits.train, classes), cfg.batch_size, True, cfg.workers,
-                              learner.seed * 1000 + t, device)
-    params = [p for p in model.lora_parameters() if p.requires_grad] + list(head.parameters())
-    opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.999))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: lr_factor(e, cfg.epochs, cfg.schedule))
-    learner.throughput.append([])
-    where, first = f"task {t + 1}/{cfg.tasks}", None
-    for epoch in range(cfg.epochs):
-        e0, loss_sum, correct, seen, steps = time.time(), 0.0, 0, 0, 0
-        progress.step(lambda: f"{where} epoch {epoch + 1}/{cfg.epochs}: {steps}/{len(loader)} "
-                      f"steps done" + (f", loss {float(loss_sum) / seen:.4f}, "
-                                       f"{seen / (time.time() - e0):.1f} img/s, ETA "
-                                       f"{progress.eta() / 60:.1f} min" if seen else ""))
-        for images, y in loader:
-            t0, images, y = time.time(), images.to(device, non_blocking=True), local[y.to(device)]
-            loss, right = train_step(model, head, opt, images, y, cfg, learner.subspace,
-                                     learner.prototypes)
-            loss_sum, correct, seen = loss_sum + loss * len(y), correct + right, seen + len(y)
-            first = float(loss) if first is None else first  # a sync a task: the divergence mark
-            progress.done("train", len(y), time.time() - t0)
-            steps += 1  # the heartbeat reads these, live
-        progress.step(None)
-        sched.step()
-        if not torch.isfinite(loss_sum):  # a diverged run must not go on to write results
-            raise FloatingPointError(
-                f"task {t + 1} epoch {epoch + 1}: the loss is {float(loss_sum)}; lower --lr and "
-                "start again (checkpoint.pt, if there is one, holds the tasks finished before)")
-        mean, speed = float(loss_sum) / seen, seen / (time.time() - e0)
-        learner.throughput[-1].append(speed)
-        grew = mean > 100 * first  # orders of magnitude above the task's first batch: diverging
-        if grew:
-            learner.warnings.append(f"task {t + 1} epoch {epoch + 1}: the loss grew to {mean:.3g} "
-                                    f"from {first:.3g}; these numbers are not a valid run")
-        progress.log(f"{where} epoch {epoch + 1}/{cfg.epochs}  loss {mean:.4f}  train acc "
-                     f"{100.0 * float(correct) / seen:5.2f}%  {speed:7.1f} img/s  ETA "
-                     f"{progress.eta() / 60:.1f} min" + ("  WARNING: the loss is diverging; lower "
-                                                          "--lr" if grew else ""))
-
-
-@torch.no_grad()
-def end_task(learner, t, tasks, splits, cfg):
-    """Task t's end: its violation, class prototypes, the memory's update, the LoRA merge.
-    Returns the task's factors (A, B) per layer, from before the merge."""
-    model, device = learner.model, learner.prototypes.device
-    for name in ("k", "v"):
-        learner.violation[name].append([violation(layer) for _, n, layer in model.lora_layers()
-                                        if n == name])
-    loader = data.make_loader(data.subset(splits.train_eval, tasks[t]), cfg.batch_size, False,
-                              cfg.workers, 0, device)
-    new = class_prototypes(*features(model, loader, cfg), tasks[t])
-    learner.prototypes = torch.cat([learner.prototypes, new])
-    if cfg.oe and cfg.memory == "oe":  # this task's OE basis joins the memory
-        learner.subspace.merge()
-        learner.memory = list(learner.subspace.memory)
-    elif cfg.oe and cfg.memory == "oe-rolling":  # the basis goes on to the next task as it is
-        learner.memory = list(learner.subspace.basis)
-    elif cfg.oe:  # GPM's offline pass over the task's images, counted in its task_seconds
-        C = kv_covariance(model, loader, cfg)
-        learner.memory = [gpm_extend(M, C_i, gpm_threshold(cfg, t))
-                          for M, C_i in zip(learner.memory, C)]
-    set_memories(model, learner.memory)
-    factors = [(layer.A.detach().clone(), layer.B.detach().clone())
-               for _, _, layer in model.lora_layers()]
-    for _, _, layer in model.lora_layers():
-        layer.merge_()  # W += s B A, then a fresh pair with A off the new memory
-    return factors
-
-
-def task_sizes(splits, tasks):
-    """Per task: its training images, and the evaluation images after it (its prototype pass and
-    the test images of the tasks seen by then), for the ETA."""
-    count = lambda part: collections.Counter(part.targets)
-    train, test = ([sum(n[c] for c in classes) for classes in tasks]
-                   for n in (count(splits.train), count(splits.test)))
-    return train, [train[t] + sum(test[:t + 1]) for t in range(len(tasks))]
-
-
-def run_seed(cfg, seed, base_model, splits, save, progress, resume=None):
-    """All tasks of one seed; save(snapshot) after each task; returns the seed's results."""
-    tasks = data.task_classes(splits.num_classes, cfg.tasks)
-    learner = start_learner(cfg, seed, base_model, tasks, resume)
-    first, log, evaluated = len(learner.acc), progress.log, task_sizes(splits, tasks)[1]
-    if resume is not None:
-        log(f"seed {seed}: resumed after task {first}")
-    for t in range(first, cfg.tasks):
-        t0 = time.time()  # a task's time: its training and its method's own passes, not the tests
-        start_task(learner, t, tasks, splits, cfg)
-        train_task(learner, t, tasks[t], splits, cfg, progress)
-        e0 = time.time()
-        factors = end_task(learner, t, tasks, splits, cfg)
-        learner.task_seconds.append(time.time() - t0)
-        current = torch.zeros(splits.num_classes, dtype=torch.bool, device=cfg.device)
-        current[tasks[t]] = True
-        probe = Probe(factors, cfg.lora_scale, current, cfg.device) if t > 0 else None
-        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg, probe)
-        progress.done("eval", evaluated[t], time.time() - e0)
-        learner.acc.append(acc)
-        learner.aware.append(aware)
-        learner.sample_acc.append(sample)
-        learner.interference.append(probe and probe.interference())
-        learner.geometry.append(probe and dml_geometry(torch.cat(probe.z), torch.cat(probe.y),
-                                                       learner.prototypes, tasks[t][0]))
-        log(f"task {t + 1} accuracy per task: " + " ".join(f"{a:.2f}" for a in acc) +
-            f"  | mean {sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
-            f"{sum(aware) / len(aware):.2f}  | {learner.task_seconds[-1]:.1f} s")
-        if t > 0 and cfg.oe:  # task 1 has no memory to violate
-            viol = {n: " ".join(_fmt(v, ".3f") for v in learner.violation[n][-1]) for n in "kv"}
-            log(f"task {t + 1} violation ||dW M||/||dW|| per block  K: {viol['k']}  V: {viol['v']}")
-        if t > 0:
-            g = learner.geometry[-1]
-            log(f"task {t + 1} DML geometry: cos_old > 0.5 {g['danger']:.3f}, < 0.2 "
-                f"{g['safe']:.3f}, cos_old > cos_own {g['closer_to_old']:.3f}")
-        save(learner.snapshot(tasks))
-    return learner.results(cfg.tasks)
-
-
-# ==================================================================================================
-# Results, checkpoints, plots, the benchmark, the command line
-# ==================================================================================================
-def summarize(runs):
-    """Mean and std over seeds of ACC, MAA, BWT, and of the same three for task-aware accuracy."""
-    def stats(v):  # undefined (None) if any run's is, as BWT with one task
-        undefined = any(x is None for x in v)
-        return {"mean": None if undefined else statistics.fmean(v),
-                "std": None if undefined else statistics.pstdev(v)}
-    out = {key: stats([r[key] for r in runs]) for key in ("ACC", "MAA", "BWT")}
-    out["sample_ACC"] = stats([r["sample_acc"][-1] for r in runs])  # over the final test samples
-    out["task_aware"] = {key: stats([r["task_aware"][key] for r in runs])
-                         for key in ("ACC", "MAA", "BWT")}
-    return out
-
-
-def write_json(path, obj):
-    tmp = path + ".tmp"  # write, then rename: an interruption never leaves half a file
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
-def _fmt(value, spec):
-    return "-" if value is None else format(value, spec)
-
-
-def _mean(values):
-    """The mean of the defined values (None: undefined, left out), or None."""
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+    plot_trajectory(plt, results, os.path.join(out, "trajectory.png"))
+    plot_violation(plt, results["runs"][0], os.path.join(out, "violation.png"))
+    if not plot_angular(plt, results["runs"][0], os.path.join(out, "angular.png")):
+        print("angular.png not drawn: one task has no old prototypes")
+    plt.close("all")
 
 
 def _title(config):
-    c = config
-    return (f"{c['dataset']}, T={c['tasks']}, {c['method'] or 'custom'}: OE {c['oe']} "
-            f"({c['memory']}) GR {c['gr']} ({c['rectify']}) DML {c['dml']}")
+    return f"{config['dataset']}, T={config['tasks']}, {describe(config)}"
 
 
 def plot_trajectory(plt, results, path):
@@ -997,15 +1329,18 @@ def plot_trajectory(plt, results, path):
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for key, style, label in (("acc_matrix", "o-", "task-agnostic (the paper's metric)"),
                               ("task_aware", "s--", "task-aware (ours: the true task's head)")):
-        curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(
-            r[key] if key == "acc_matrix" else r[key]["acc_matrix"])] for r in results["runs"]])
+        matrices = [r[key] if key == "acc_matrix" else r[key]["acc_matrix"] for r in results["runs"]]
+        curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(matrix)]
+                               for matrix in matrices])
         x = range(1, curves.shape[1] + 1)
         ax.plot(x, curves.mean(0), style, label=label + f", mean of {len(curves)} seed(s)")
         ax.fill_between(x, curves.min(0).values, curves.max(0).values, alpha=0.2)  # the spread
     ax.set(xlabel="task", ylabel="mean accuracy on the seen tasks (%)", xticks=list(x),
            title=_title(results["config"]))
     ax.title.set_fontsize(8)
-    ax.legend(fontsize=8), fig.tight_layout(), fig.savefig(path, dpi=120)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot_violation(plt, run, path):
@@ -1030,7 +1365,8 @@ def plot_violation(plt, run, path):
         else:  # no memory (OE off), or a single task: nothing is defined
             ax.text(0.5, 0.5, "undefined: no memory or one task", ha="center",
                     transform=ax.transAxes)
-    fig.tight_layout(), fig.savefig(path, dpi=120)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot_angular(plt, run, path):
@@ -1054,44 +1390,90 @@ def plot_angular(plt, run, path):
         right.plot((bins[1:] + bins[:-1]) / 2, g["hist"], label=f"task {t}")
     right.set(xlabel="cos_old", ylabel="share of the task's test samples", xlim=(-0.2, 1),
               title="density of cos_old per task")
-    right.legend(fontsize=7), fig.tight_layout(), fig.savefig(path, dpi=120)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     return True
 
 
-def plot(results, out):
-    """trajectory.png, violation.png, angular.png (the first seed's analyses), with matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (results.json has the numbers)")
-        return
-    plot_trajectory(plt, results, os.path.join(out, "trajectory.png"))
-    plot_violation(plt, results["runs"][0], os.path.join(out, "violation.png"))
-    if not plot_angular(plt, results["runs"][0], os.path.join(out, "angular.png")):
-        print("angular.png not drawn: one task has no old prototypes")
-    plt.close("all")
+# ---- --benchmark: plain LoRA against the Janus step, interleaved ---------------------------------
+def benchmark(cfg):
+    """--benchmark: plain LoRA, janus-grad and janus-update, one step of each in turn on the same
+    inputs, so that drift hits all alike; the median of the per-round ratios to plain."""
+    device, C = torch.device(cfg.device), data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
+    base = build_model(Config(**{**asdict(cfg), "weights": "none"}))  # the cost is the same
+    cuda, m = device.type == "cuda", min(cfg.k * (cfg.tasks // 2), base.embed_dim - cfg.k)
+    images = torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, device=device)
+    y = torch.randint(0, C, (cfg.batch_size,), device=device)
+    changes = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": dict(rectify="grad"),
+               "janus-update": dict(rectify="update")}
+    steps, peaks = {}, {}
+    for name, change in changes.items():  # built and warmed up one by one: each one's own memory
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        steps[name] = bench_step(cfg, base, change, m, C)
+        for _ in range(3):  # warm-up: allocator, kernels, Adam's state
+            steps[name](images, y)
+        peaks[name] = (torch.cuda.max_memory_allocated(device) - before) / 2**20 if cuda else None
+    ms = {name: [] for name in steps}
+    for _ in range(cfg.steps):  # interleaved rounds
+        for name, step in steps.items():
+            _sync(device)
+            start = time.perf_counter()
+            step(images, y)
+            _sync(device)
+            ms[name].append(1e3 * (time.perf_counter() - start))
+    report = {"device": torch.cuda.get_device_name(device) if cuda else
+              f"cpu ({torch.get_num_threads()} threads)", "model": cfg.model,
+              "batch_size": cfg.batch_size, "img_size": cfg.img_size, "memory_columns": m,
+              "rounds": cfg.steps, "precision": cfg.precision, "compile": cfg.compile,
+              "variants": {}}
+    print(f"{report['device']}, {cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory "
+          f"{m} columns/block, {cfg.steps} interleaved rounds\n{'variant':14s} {'ms/step':>9s} "
+          f"{'images/s':>9s} {'peak MiB':>9s} {'x plain (median, IQR)':>24s}")
+    for name, t in ms.items():
+        ratios = sorted(a / b for a, b in zip(t, ms["plain"]))  # per round: drift cancels
+        iqr = [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]]
+        step_ms = sorted(t)[len(t) // 2]
+        report["variants"][name] = {"ms_per_step": step_ms, "images_per_s": 1e3 * cfg.batch_size /
+                                    step_ms, "peak_mem_mb": peaks[name],
+                                    "x_plain": ratios[len(ratios) // 2], "x_plain_iqr": iqr}
+        peak = "n/a" if peaks[name] is None else f"{peaks[name]:.0f}"
+        print(f"{name:14s} {step_ms:9.1f} {1e3 * cfg.batch_size / step_ms:9.1f} {peak:>9s} "
+              f"{ratios[len(ratios) // 2]:12.3f} ({iqr[0]:.3f}-{iqr[1]:.3f})")
+    report["loader_images_per_s"] = _time_loader(cfg)
+    out = cfg.out or os.path.join("runs", f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "benchmark.json"), report)
+    print(f"wrote {os.path.join(out, 'benchmark.json')}")
+    return 0
 
 
-def _bench_variant(cfg, base, change, m, C):
-    """One --benchmark variant in a mid-run state: a random memory of m columns per block."""
-    vcfg, model, D = Config(**{**asdict(cfg), **change}), copy.deepcopy(base), base.embed_dim
-    model.to(cfg.device)
-    for block in model.blocks if cfg.compile else []:
-        block.compile()
-    subspace = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device,
-                              blocks=len(model.blocks))
-    if vcfg.oe:  # one memory per block, shared by its K and V; V starts off it
-        subspace.memory = torch.linalg.qr(torch.randn(len(model.blocks), D, m)).Q.to(cfg.device)
-        subspace.basis = subspace._fresh_basis()
-        set_memories(model, subspace.memory)
-        for _, _, layer in model.lora_layers():
-            layer.reset_lora_()
-    old = F.normalize(torch.randn(C * (cfg.tasks // 2), D, device=cfg.device), dim=1)
-    head = torch.nn.Linear(D, C).to(cfg.device)
-    opt = torch.optim.Adam(model.lora_parameters() + list(head.parameters()), lr=cfg.lr)
-    return lambda images, y: train_step(model, head, opt, images, y, vcfg, subspace, old)
+def _sync(device):
+    if device.type == "cuda":  # the steps run asynchronously: wait for them before a clock reads
+        torch.cuda.synchronize(device)
+
+
+def bench_step(cfg, base, change, m, C):
+    """One --benchmark variant's training step, in a mid-run state: a random memory of m
+    columns per block, C classes in the task, and the old prototypes of half the tasks."""
+    vcfg = Config(**{**asdict(cfg), **change})
+    learner = start_learner(vcfg, 0, base)
+    L, D = len(base.blocks), base.embed_dim
+    if vcfg.oe:  # one memory per block, shared by its K and V; V and A start off it
+        learner.memory = list(torch.linalg.qr(torch.randn(L, D, m)).Q.to(cfg.device))
+        learner.oe.basis = learner.oe.fresh_basis(learner.memory)
+        for i, _, layer in learner.model.lora_layers():
+            layer.reset_lora_(learner.memory[i])
+    learner.prototypes = F.normalize(torch.randn(C * (cfg.tasks // 2), D, device=cfg.device), dim=1)
+    learner.heads.append(torch.nn.Linear(D, C).to(cfg.device))
+    params = learner.model.lora_parameters() + list(learner.heads[-1].parameters())
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+
+    def step(images, y):
+        return train_step(learner, opt, images, y, vcfg)
+    return step
 
 
 def _time_loader(cfg):
@@ -1104,73 +1486,38 @@ def _time_loader(cfg):
         return None
     device = torch.device(cfg.device)
     loader = data.make_loader(splits.train, cfg.batch_size, True, cfg.workers, 0, device)
-    batches, t0 = iter(loader), time.perf_counter()
-    speed = sum(len(next(batches)[1]) for _ in range(min(cfg.steps, len(loader))))
-    if device.type == "cuda":  # the device pipeline's kernels run asynchronously: wait for them
-        torch.cuda.synchronize(device)
-    speed /= time.perf_counter() - t0
+    batches, start = iter(loader), time.perf_counter()
+    images = sum(len(next(batches)[1]) for _ in range(min(cfg.steps, len(loader))))
+    _sync(device)  # the device pipeline's kernels run asynchronously
+    speed = images / (time.perf_counter() - start)
     kind = (f"batched on {device}" if isinstance(loader, data.DeviceLoader)
             else f"{cfg.workers} workers")
     print(f"data loader alone ({cfg.dataset}, {kind}): {speed:.1f} images/s")
     return speed
 
 
-def benchmark(cfg):
-    """--benchmark: plain LoRA, janus-grad and janus-update, one step of each in turn on the same
-    inputs, so that drift hits all alike; the median of the per-round ratios to plain."""
-    device, C = torch.device(cfg.device), data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
-    base = build_model(Config(**{**asdict(cfg), "weights": "none"}))  # the cost is the same
-    cuda, m = device.type == "cuda", min(cfg.k * (cfg.tasks // 2), base.embed_dim - cfg.k)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    images = torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, device=device)
-    y = torch.randint(0, C, (cfg.batch_size,), device=device)
-    changes = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": dict(rectify="grad"),
-               "janus-update": dict(rectify="update")}
-    steps, peaks = {}, {}
-    for name, change in changes.items():  # built and warmed up one by one: each one's own memory
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device) if cuda else 0
-        steps[name] = _bench_variant(cfg, base, change, m, C)
-        for _ in range(3):  # warm-up: allocator, kernels, Adam's state
-            steps[name](images, y)
-        peaks[name] = (torch.cuda.max_memory_allocated(device) - before) / 2**20 if cuda else None
-    ms = {name: [] for name in steps}
-    for _ in range(cfg.steps):  # interleaved rounds
-        for name, step in steps.items():
-            sync()
-            t0 = time.perf_counter()
-            step(images, y)
-            sync()
-            ms[name].append(1e3 * (time.perf_counter() - t0))
-    median = lambda v: sorted(v)[len(v) // 2]
-    report = {"device": torch.cuda.get_device_name(device) if cuda else
-              f"cpu ({torch.get_num_threads()} threads)", "model": cfg.model,
-              "batch_size": cfg.batch_size, "img_size": cfg.img_size, "memory_columns": m,
-              "rounds": cfg.steps, "variants": {}}
-    print(f"{report['device']}, {cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory "
-          f"{m} columns/block, {cfg.steps} interleaved rounds\n{'variant':14s} {'ms/step':>9s} "
-          f"{'images/s':>9s} {'peak MiB':>9s} {'x plain (median, IQR)':>24s}")
-    for name, t in ms.items():
-        ratios = sorted(a / b for a, b in zip(t, ms["plain"]))  # per round: drift cancels
-        iqr = [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]]
-        report["variants"][name] = {"ms_per_step": median(t), "images_per_s": 1e3 * cfg.batch_size
-                                    / median(t), "peak_mem_mb": peaks[name],
-                                    "x_plain": median(ratios), "x_plain_iqr": iqr}
-        peak = "n/a" if peaks[name] is None else f"{peaks[name]:.0f}"
-        print(f"{name:14s} {median(t):9.1f} {1e3 * cfg.batch_size / median(t):9.1f} {peak:>9s} "
-              f"{median(ratios):12.3f} ({iqr[0]:.3f}-{iqr[1]:.3f})")
-    report["loader_images_per_s"] = _time_loader(cfg)
-    out = cfg.out or os.path.join("runs", f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "benchmark.json"), report)
-    print(f"wrote {os.path.join(out, 'benchmark.json')}")
-    return 0
-
-
-# ==================================================================================================
-# --reproduce: every row of a table or figure of the paper, one command, resumable
-# ==================================================================================================
+# ---- --reproduce: every row of a table or figure of the paper, one command, resumable ------------
+# --reproduce NAME: (what it reproduces, {row: its flags}); the sweeps' values as read in the paper
+REPRODUCE = {
+    "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", {
+        "1": ["--no-oe", "--no-gr", "--no-dml"], "2": ["--no-oe", "--no-gr"],
+        "3": ["--no-gr", "--no-dml"], "4": ["--no-oe", "--no-dml"], "5": ["--no-dml"],
+        "6": ["--no-gr"], "7": []}),
+    "methods": ("Tables 2 and 3: the methods we implement", {
+        m: ["--method", m] for m in ("finetune", "lora-gpm", "inflora", "janus")}),
+    "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)", {
+        "gpm": ["--memory", "gpm", "--epochs", "1"], "oe": ["--epochs", "1"]}),
+    "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM", {
+        "lora-gpm": ["--method", "lora-gpm"], "lora-gpm-gr": ["--method", "lora-gpm-gr"]}),
+    "k": ("Fig. 4a: the rank k of the OE basis", {
+        f"k{k}": ["--k", str(k)] for k in (25, 50, 75, 100)}),
+    "margin": ("Fig. 4b: the DML margin m", {
+        f"m{m}": ["--margin", str(m)] for m in (0.1, 0.2, 0.3, 0.4, 0.5)}),
+    "lambda": ("the appendix's figure: the DML weight lambda", {
+        f"l{v}": ["--lambda-dml", str(v)] for v in (0.5, 1.0, 1.5, 2.0)}),
+    "backbones": ("Table 4: Janus-LoRA on other pre-trainings", {
+        w: ["--weights", w] for w in ("in21k", "sam", "dino")}),
+}
 # The paper's numbers (mean of 5 seeds; ACC, MAA, BWT), quoted from its LaTeX source, by
 # (--reproduce NAME, data set, T): where they are, and per row. None: the paper gives no number.
 PAPER = {
@@ -1196,19 +1543,19 @@ PAPER = {
     ("methods", "domainnet", 5): ("Table 3", {
         "finetune": (69.34, 74.83, -5.14), "lora-gpm": (69.24, 74.84, -5.55),
         "inflora": (72.94, 78.98, -7.38), "janus": (73.82, 79.67, -7.74)}),
-    ("oe-vs-gpm", "imagenet-r", 10): ("Table 5", {"gpm": (38.79, 42.48, -5.36),
-                                                  "oe": (40.90, 45.93, -5.98)}),
-    ("oe-vs-gpm", "cifar100", 10): ("Table 5", {"gpm": (74.84, 83.30, -7.70),
-                                                "oe": (77.31, 84.83, -6.27)}),
+    ("oe-vs-gpm", "imagenet-r", 10): ("Table 5", {
+        "gpm": (38.79, 42.48, -5.36), "oe": (40.90, 45.93, -5.98)}),
+    ("oe-vs-gpm", "cifar100", 10): ("Table 5", {
+        "gpm": (74.84, 83.30, -7.70), "oe": (77.31, 84.83, -6.27)}),
     ("gr-plugin", "imagenet-r", 10): ("Fig. 6, as printed on the figure", {
         "lora-gpm": (71.89, 79.82, -11.48), "lora-gpm-gr": (74.14, 80.12, -4.55)}),
     ("backbones", "imagenet-r", 10): ("Tables 2 and 4", {
         "in21k": (75.78, 81.64, -6.05), "sam": (70.22, 77.90, -6.47),
         "dino": (68.20, 76.15, -5.73)}),
-    ("k", "imagenet-r", 10): ("Sec. 4.2's text", {"k25": (None, None, -7.41),
-                                                  "k100": (None, None, -4.14)}),
-    ("lambda", "imagenet-r", 10): ("the appendix's text", {"l0.5": (None, None, -5.50),
-                                                           "l2.0": (None, None, -6.62)}),
+    ("k", "imagenet-r", 10): ("Sec. 4.2's text", {
+        "k25": (None, None, -7.41), "k100": (None, None, -4.14)}),
+    ("lambda", "imagenet-r", 10): ("the appendix's text", {
+        "l0.5": (None, None, -5.50), "l2.0": (None, None, -6.62)}),
 }
 
 
@@ -1216,20 +1563,21 @@ def to_argv(cfg, skip=("reproduce", "row", "dry_run", "out", "resume", "method")
     """The flags that give cfg again: every field that differs from its default."""
     argv = []
     for f in fields(Config):
-        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        if f.name in skip or value == f.default or (isinstance(value, list) and
-                                                    tuple(value) == f.default):
+        value = getattr(cfg, f.name)
+        if f.name in skip or value == f.default or isinstance(value, list) and \
+                tuple(value) == f.default:
             continue
         if f.type is bool:
-            argv.append(flag if value else "--no-" + flag[2:])
+            argv.append(_flag(f.name) if value else "--no-" + f.name)
         else:
-            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
+            argv += [_flag(f.name), *map(str, value if isinstance(value, list) else [value])]
     return argv
 
 
-def reproduce(cfg, given):
+def reproduce(cfg, argv=None):
     """Each row into OUT/<row>/, with the flags given and the row's: a finished row is skipped, an
     interrupted one resumed; then the table of whichever rows have finished."""
+    given = to_argv(parse_args(argv))  # the flags as typed, before the data set's defaults
     what, rows = REPRODUCE[cfg.reproduce]
     out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
     print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows into {out}")
@@ -1239,11 +1587,11 @@ def reproduce(cfg, given):
             print(f"{row}: finished before, skipped")
             continue
         interrupted = os.path.exists(os.path.join(folder, "checkpoint.pt"))  # continues from there
-        argv = given + rows[row] + ["--resume" if interrupted else "--out", folder]
-        print(f"{row}: python janus_min.py {' '.join(argv)}")
+        row_argv = given + rows[row] + ["--resume" if interrupted else "--out", folder]
+        print(f"{row}: python janus_min.py {' '.join(row_argv)}")
         if cfg.dry_run:
             continue
-        code = main(argv)
+        code = main(row_argv)
         if code:
             return code
     return 0 if cfg.dry_run else write_table(cfg, out, rows)
@@ -1261,17 +1609,14 @@ def _row_runs(folder):
 def _row_summary(runs):
     """A row of table.json: the paper's metrics, ours beside them, time, violation, DML shares."""
     s = summarize(runs)
-    stat = lambda key: [s[key]["mean"], s[key]["std"]]
-    per_run = lambda f: _mean([f(r) for r in runs])
-    return {"ACC": stat("ACC"), "MAA": stat("MAA"), "BWT": stat("BWT"),
-            "sample_ACC": stat("sample_ACC"), "aware_ACC": [s["task_aware"]["ACC"]["mean"]],
-            "aware_BWT": [s["task_aware"]["BWT"]["mean"]],
-            "violation": per_run(lambda r: _mean(sum(r["violation"]["k"] + r["violation"]["v"],
-                                                     []))),
-            "interference": per_run(lambda r: _mean(sum([i["past"] for i in r["interference"] if i],
-                                                        []))),
-            "danger": per_run(lambda r: _mean([g["danger"] for g in r["geometry"] if g])),
-            "seconds_per_task": per_run(lambda r: _mean(r["task_seconds"]))}
+    violations = [_mean(sum(r["violation"]["k"] + r["violation"]["v"], [])) for r in runs]
+    past = [_mean(sum([i["past"] for i in r["interference"] if i], [])) for r in runs]
+    danger = [_mean([g["danger"] for g in r["geometry"] if g]) for r in runs]
+    return {**{key: [s[key]["mean"], s[key]["std"]] for key in ("ACC", "MAA", "BWT", "sample_ACC")},
+            "aware_ACC": [s["task_aware"]["ACC"]["mean"]],
+            "aware_BWT": [s["task_aware"]["BWT"]["mean"]], "violation": _mean(violations),
+            "interference": _mean(past), "danger": _mean(danger),
+            "seconds_per_task": _mean([_mean(r["task_seconds"]) for r in runs])}
 
 
 def write_table(cfg, out, rows):
@@ -1297,14 +1642,14 @@ def write_table(cfg, out, rows):
 
 
 def _table_md(table):
-    pm = lambda v: f"{v[0]:.2f} ± {v[1]:.2f}"
+    def pm(v):
+        return f"{v[0]:.2f} ± {v[1]:.2f}"
     source = table["paper_source"] or "none for this data set and T"
-    paper = f"the paper's ACC / MAA / BWT ({source})"
     lines = [f"# --reproduce {table['reproduce']}: {table['what']}",
              f"{table['dataset']}, T = {table['tasks']}; ours: mean ± std over seeds.", "",
-             f"| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
-             f"task-aware BWT | violation | interference | danger share | s / task | {paper} |",
-             "|" + "---|" * 14]
+             "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
+             "task-aware BWT | violation | interference | danger share | s / task | "
+             f"the paper's ACC / MAA / BWT ({source}) |", "|" + "---|" * 14]
     for row, r in table["rows"].items():
         quoted = " / ".join(_fmt(r["paper"].get(k), ".2f") for k in ("ACC", "MAA", "BWT"))
         lines.append(f"| {row} | `{r['flags']}` | {r['seeds']} | {pm(r['ACC'])} | {pm(r['MAA'])} | "
@@ -1319,11 +1664,8 @@ def _table_md(table):
 
 def plot_time(table, out):
     """time.png (the appendix's efficiency figures): per-task and cumulative time per row."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for row in table["rows"]:
@@ -1333,279 +1675,10 @@ def plot_time(table, out):
         right.plot(x, seconds.mean(0).cumsum(0), "o-", label=row)
     left.set(xlabel="task", ylabel="seconds (mean over seeds)", title="time per task")
     right.set(xlabel="task", ylabel="seconds", title="cumulative time")
-    left.legend(fontsize=8), fig.tight_layout(), fig.savefig(os.path.join(out, "time.png"), dpi=120)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "time.png"), dpi=120)
     plt.close(fig)
-
-
-# ==================================================================================================
-# The run's folder: resume, checkpoint, lock, interruption, summary, the command line
-# ==================================================================================================
-RESUME_FREE = ("out", "resume", "device", "workers", "compile")  # may change on --resume
-CHECKPOINT_FORMAT = 4  # raised whenever checkpoint.pt's content changes: old files are refused
-
-
-def _q(path):
-    """A path as one shell word, so that a suggested command can be pasted as it is."""
-    return shlex.quote(str(path))
-
-
-def check_folder(folder, flag):
-    """Refuse now, before any data or model loads, a run folder that cannot be made or written."""
-    _require(folder != "", f"{flag} \"\": name a folder")
-    nearest = os.path.abspath(folder)
-    while not os.path.exists(nearest):  # the deepest part that exists: where the rest is made
-        nearest = os.path.dirname(nearest)
-    _require(os.path.isdir(nearest), f"{flag} {_q(folder)}: {_q(nearest)} is a file, not a "
-             f"folder; choose another {flag}")
-    _require(os.access(nearest, os.W_OK | os.X_OK), f"{flag} {_q(folder)}: {_q(nearest)} cannot "
-             "be written (read-only); choose a folder you can write")
-
-
-def read_checkpoint(folder):
-    """checkpoint.pt of a run folder, checked: there, readable, ours and of this version."""
-    path = os.path.join(folder, "checkpoint.pt")
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(folder, "results.json")):
-        raise ConfigError(f"--resume {_q(folder)}: its results.json stays as it is, but without "
-                          "checkpoint.pt nothing there can be continued; start a new run with "
-                          "--out ANOTHER_FOLDER")
-    _require(os.path.isfile(path), f"--resume {_q(folder)}: no checkpoint.pt there (a run saves "
-             "one after its first task); start the run again with --out")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data
-    except Exception as e:  # unreadable for whatever reason: the user's to replace
-        raise ConfigError(f"--resume {_q(folder)}: checkpoint.pt cannot be read "
-                          f"({type(e).__name__}); remove the folder and start again") from None
-    _require(isinstance(ckpt, dict) and ckpt.get("format") == CHECKPOINT_FORMAT,
-             f"--resume {_q(folder)}: checkpoint.pt was written by another version of janus_min.py"
-             " (or is not ours); finish that run with the version that wrote it, or start again")
-    return ckpt
-
-
-def resume_config(cfg, given):
-    """--resume DIR: the configuration saved in DIR, which flags typed now must agree with (but
-    device, workers, compile; and seeds may be added), and the checkpoint."""
-    folder = cfg.resume
-    if os.path.basename(os.path.normpath(folder)) == "checkpoint.pt":  # the file for its folder
-        folder = os.path.dirname(os.path.normpath(folder)) or "."
-    ckpt = read_checkpoint(folder)
-    saved = ckpt["config"]
-    clash = [k for k, v in given.items() if k not in RESUME_FREE + ("seeds",) and v != saved[k]]
-    _require(not clash, f"--resume {_q(folder)}: the run there has " + ", ".join(
-        f"--{k.replace('_', '-')} {saved[k]}" for k in clash) + "; drop those flags (--resume "
-        "alone continues it) or start a new run with --out")
-    seeds = list(given.get("seeds", saved["seeds"]))
-    _require(set(seeds) >= set(saved["seeds"]), f"--resume {_q(folder)}: its seeds are "
-             f"{' '.join(map(str, saved['seeds']))}; give those (and more, to add seeds) or none")
-    free = {k: given.get(k, cfg_default) for k, cfg_default in
-            (("device", "auto"), ("workers", cfg.workers), ("compile", saved["compile"]))}
-    return Config(**{**saved, **free, "seeds": seeds, "out": folder, "resume": folder}), ckpt
-
-
-def save_checkpoint(out, cfg, runs, current):
-    """checkpoint.pt, written then renamed: Ctrl-C during the save leaves the last one intact."""
-    tmp = os.path.join(out, "checkpoint.pt.tmp")
-    torch.save({"format": CHECKPOINT_FORMAT, "config": asdict(cfg), "runs": runs,
-                "current": current}, tmp)
-    os.replace(tmp, os.path.join(out, "checkpoint.pt"))
-
-
-class RunLock:
-    """DIR/run.lock while a run writes to DIR: a second run refuses; a lock whose process has gone
-    (a crash, kill -9) is taken over."""
-
-    def __init__(self, folder):
-        self.path = os.path.join(folder, "run.lock")
-        self.me = f"{os.getpid()} {socket.gethostname()}"
-
-    def acquire(self):
-        for _ in range(2):
-            try:
-                with open(self.path, "x") as f:  # created only if absent: one winner
-                    f.write(self.me)
-                return
-            except FileExistsError:
-                with open(self.path) as f:
-                    pid, host = (f.read().split() + ["0", ""])[:2]
-                _require(host == socket.gethostname() and not _alive(int(pid)),
-                         f"{_q(os.path.dirname(self.path))} is in use by the run of process {pid} "
-                         f"on {host}; wait for it or choose another --out (if no run writes there "
-                         f"any more, delete {_q(self.path)})")
-                os.remove(self.path)  # its process is gone: a stale lock
-        raise ConfigError(f"{_q(self.path)}: two runs are starting in one folder; start one")
-
-    def release(self):
-        os.remove(self.path)
-
-
-def _alive(pid):
-    if pid <= 0:  # no process of ours: a damaged lock
-        return False
-    try:
-        os.kill(pid, 0)  # no signal: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
-
-
-class Stopped(Exception):
-    """SIGTERM, as cluster schedulers send it: handled as Ctrl-C is."""
-
-
-def _on_sigterm(signum, frame):
-    raise Stopped
-
-
-def environment(cfg):
-    """What results.json needs to say where its numbers come from."""
-    import torchvision  # noqa: PLC0415 -- its version only
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        git = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                             text=True).stdout.strip() or None  # none outside a git checkout
-    except OSError:  # no git on this machine
-        git = None
-    return {"torch": torch.__version__, "torchvision": torchvision.__version__,
-            "device": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda")
-            else f"cpu ({torch.get_num_threads()} threads)",
-            "git_commit": git}
-
-
-def prepare(cfg):
-    """Everything that can fail on bad input, before the output folder is touched."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = cfg.resume or (os.path.join("runs", f"{cfg.dataset}-{stamp}") if cfg.out is None
-                         else cfg.out)
-    check_folder(out, "--resume" if cfg.resume else "--out")
-    _require(cfg.resume or not any(os.path.exists(os.path.join(out, f))
-                                   for f in ("checkpoint.pt", "results.json")),
-             f"{_q(out)} already holds a run; continue it with --resume {_q(out)} or choose another"
-             " --out")
-    scale = cfg.input_range
-    if scale == "checkpoint":
-        scale = vit.PRETRAINED_INPUT[cfg.weights]
-    mean_std = vit.MEAN_STD.get(scale, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
-    splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, *mean_std, seed=0,
-                               limit_per_class=cfg.limit_per_class)
-    width = vit.PRESETS[cfg.model].keywords["embed_dim"]
-    if cfg.oe and cfg.memory == "oe" and cfg.k * (cfg.tasks - 1) >= width:  # the reader should know
-        full = -(-width // cfg.k)
-        print(f"note: k x (T - 1) = {cfg.k * (cfg.tasks - 1)} reaches the block width {width}: the "
-              f"memory is full after task {full} and K/V learn nothing from task {full + 1} on")
-    cfg.out = out  # results.json's config names the folder, after a resume too
-    return out, splits, build_model(cfg)  # the backbone: loaded once, copied per seed
-
-
-def print_summary(results, log):
-    last, s, T = results["runs"][-1], results["summary"], len(results["runs"][-1]["acc_matrix"])
-    log(f"accuracy (%) on each task (columns) after each task (rows), seed {last['seed']}:")
-    log("after task | " + " ".join(f"task {i + 1:<2d}" for i in range(T)))
-    for t, row in enumerate(last["acc_matrix"]):
-        log(f"{t + 1:10d} | " + " ".join(f"{'-' if a is None else f'{a:.1f}':>7s}" for a in row))
-    stat = lambda v: "undefined" if v["mean"] is None else f"{v['mean']:.2f} +- {v['std']:.2f}"
-    log("  ".join(f"{k} {stat(s[k])}" for k in ("ACC", "MAA", "BWT", "sample_ACC")) +
-        f"  over {len(results['runs'])} seed(s); task-aware: ACC {stat(s['task_aware']['ACC'])}"
-        f"  BWT {stat(s['task_aware']['BWT'])}")
-    log("ACC: mean accuracy over the tasks after the last; MAA: mean over tasks of the accuracy on "
-        "the tasks seen so far; BWT: mean change of a task's accuracy from right after it to the "
-        "end (negative: forgetting); sample_ACC: ACC over all test samples (InfLoRA's logs); "
-        "task-aware (ours): the argmax over the true task's head only")
-    log(f"time per task (s): {' '.join(f'{x:.1f}' for x in last['task_seconds'])}; total "
-        f"{sum(last['task_seconds']):.1f} s")
-    for run in results["runs"]:
-        for warning in run["warnings"]:
-            log(f"WARNING (seed {run['seed']}): {warning}")
-
-
-def load_run(folder, device="cpu"):
-    """(cfg, Learner) of the state checkpoint.pt holds: a finished run's final model (merged K and V
-    weights, heads, prototypes, memories). The rest of the backbone comes from cfg.weights."""
-    ckpt = read_checkpoint(folder)
-    cfg = Config(**{**ckpt["config"], "device": device})
-    tasks = data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)
-    state = ckpt["current"]
-    return cfg, start_learner(cfg, state["seed"], build_model(cfg), tasks, state)
-
-
-def run_all(cfg, ckpt, out, splits, base_model, progress):
-    """Every seed not finished yet; checkpoint.pt after each task, results.json after each seed."""
-    results = {"config": asdict(cfg), "environment": environment(cfg),
-               "runs": ckpt["runs"] if ckpt else []}
-    todo = [s for s in cfg.seeds if all(r["seed"] != s for r in results["runs"])]
-    current = ckpt["current"] if ckpt else None
-    first = len(current["acc"]) if current and todo and current["seed"] == todo[0] else 0
-    train, evaluated = task_sizes(splits, data.task_classes(splits.num_classes, cfg.tasks))
-    progress.plan(sum(train) * cfg.epochs * len(todo) - sum(train[:first]) * cfg.epochs,
-                  sum(evaluated) * len(todo) - sum(evaluated[:first]))
-    for seed in todo:
-        state = {"current": current if current and current["seed"] == seed else None}
-
-        def save(snapshot):  # after each task; a finished run keeps its final state
-            state["current"] = snapshot
-            save_checkpoint(out, cfg, results["runs"], snapshot)
-        results["runs"].append(run_seed(cfg, seed, base_model, splits, save, progress,
-                                        state["current"]))
-        save_checkpoint(out, cfg, results["runs"], state["current"])
-        results["summary"] = summarize(results["runs"])  # after every seed: keep the others
-        write_json(os.path.join(out, "results.json"), results)
-    if "summary" not in results:  # --resume of a run whose seeds had all finished
-        results["summary"] = summarize(results["runs"])
-        write_json(os.path.join(out, "results.json"), results)
-    return results
-
-
-def _interrupted(out, signal_name, code):
-    saved = os.path.exists(os.path.join(out, "checkpoint.pt"))
-    print(f"\ninterrupted ({signal_name}): " + (
-        f"{_q(out)}/checkpoint.pt holds the tasks finished so far; continue with: python "
-        f"janus_min.py --resume {_q(out)}" if saved else
-        "no task had finished, so nothing was saved; start the run again"), flush=True)
-    return code
-
-
-def main(argv=None):
-    cfg = parse_args(argv)
-    given = to_argv(cfg)  # the flags as given, before the data set's defaults fill the rest
-    ckpt = None
-    try:
-        if cfg.resume and not cfg.reproduce:
-            cfg, ckpt = resume_config(cfg, parse_args(argv, given_only=True))
-        cfg = check_config(cfg)
-        if cfg.benchmark:
-            return benchmark(cfg)
-        if cfg.reproduce:
-            return reproduce(cfg, given)
-        out, splits, base_model = prepare(cfg)
-        os.makedirs(out, exist_ok=True)
-        lock = RunLock(out)
-        lock.acquire()
-    except (ConfigError, vit.CheckpointError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    progress = Progress(out)
-    progress.log(f"{cfg.dataset}: {len(splits.train)} training / {len(splits.test)} test images, "
-                 f"{splits.num_classes} classes, {cfg.tasks} tasks; {cfg.method or 'custom'}: OE "
-                 f"{cfg.oe} ({cfg.memory}) GR {cfg.gr} ({cfg.rectify}) DML {cfg.dml}; device "
-                 f"{cfg.device}; out {_q(out)}")
-    try:
-        results = run_all(cfg, ckpt, out, splits, base_model, progress)
-    except KeyboardInterrupt:
-        return _interrupted(out, "Ctrl-C", 130)
-    except Stopped:
-        return _interrupted(out, "SIGTERM", 143)
-    except FloatingPointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        lock.release()
-        progress.close()
-    print_summary(results, print)
-    plot(results, out)
-    print(f"wrote {_q(os.path.join(out, 'results.json'))}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -220,23 +220,25 @@ def test_lora_lifecycle(small):
     assert (features(model, x) - small['ref']).abs().max() <= 1e-5
     z, kv = model.encode(x)
     assert torch.equal(z, model(x)) and len(kv) == 2 and kv[0].shape == (3, 197, 192)
-    memory = torch.linalg.qr(torch.randn(192, 20))[0]  # (d_in, m) orthonormal
-    model.blocks[1].attn.k.memory = memory
+    memory = torch.linalg.qr(torch.randn(192, 20))[0]  # (d_in, m) orthonormal: block 1's
+    memories = [torch.zeros(192, 0), memory]  # block 0 has none yet
     opt = torch.optim.Adam(model.lora_parameters(), lr=1e-2)
     for _ in range(3):
         opt.zero_grad()
-        model(x).pow(2).sum().backward()
+        model.encode(x, memories)[0].pow(2).sum().backward()
         opt.step()
     before = features(model, x)
     assert (before - small['ref']).abs().max() > 1e-3  # the adapters did change the features
+    assert (model.encode(x, memories)[0] - model(x)).abs().max() <= 1e-5  # the memory: same output
     params = model.lora_parameters()
-    for _, _, layer in model.lora_layers():
-        layer.merge_()
+    for i, _, layer in model.lora_layers():
+        layer.merge_(memories[i])
     assert all(p is q for p, q in zip(params, model.lora_parameters()))
     assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in params}
     assert all(layer.B.abs().max() == 0 for _, _, layer in model.lora_layers())
     assert (features(model, x) - before).abs().max() <= 1e-5
-    assert (model.blocks[1].attn.k.A @ memory).abs().max() <= 1e-5
+    for layer in (model.blocks[1].attn.k, model.blocks[1].attn.v):  # K and V share the memory
+        assert (layer.A @ memory).abs().max() <= 1e-5
 
 
 def test_merge_keeps_the_output_at_any_lora_scale():
@@ -262,16 +264,15 @@ def test_lora_forward_gives_the_safe_gradient_of_theorem_1(device):
         layer.B.normal_()
         layer.A.normal_()  # A deliberately NOT orthogonal to M: the general case
     M = orthonormal(d_in, 6, device=device)
-    layer.memory = M
     x = torch.randn(7, 5, d_in, dtype=torch.float64, device=device, requires_grad=True)
     upstream = torch.randn(7, 5, d_out, dtype=torch.float64, device=device)
-    (layer(x) * upstream).sum().backward()
+    (layer(x, M) * upstream).sum().backward()
     W = (layer.weight + s * layer.B @ layer.A).detach().requires_grad_()  # dense W = W0 + s B A
     x_ref = x.detach().clone().requires_grad_()
     out_ref = F.linear(x_ref, W, layer.bias)
     (out_ref * upstream).sum().backward()
     G_safe = W.grad - W.grad @ M @ M.T
-    assert torch.allclose(layer(x), out_ref, atol=1e-12)
+    assert torch.allclose(layer(x, M), out_ref, atol=1e-12)
     assert torch.allclose(x.grad, x_ref.grad, atol=1e-12)
     assert torch.allclose(layer.A.grad, s * layer.B.T @ G_safe, atol=1e-12)
     assert torch.allclose(layer.B.grad, s * G_safe @ layer.A.T, atol=1e-12)
@@ -949,11 +950,10 @@ def test_bf16_autocast_keeps_the_method_in_float32(device):
     model = vit.vit_tiny_patch16(img_size=32, patch_size=8).to(device)
     M = orthonormal(192, 40, dtype=torch.float32, device=device)
     for _, _, layer in model.lora_layers():
-        layer.memory = M
-        layer.reset_lora_()
+        layer.reset_lora_(M)
         torch.nn.init.normal_(layer.B, std=0.02)
     with torch.autocast(device, dtype=torch.bfloat16):
-        z, kv_inputs = model.encode(torch.randn(4, 3, 32, 32, device=device))
+        z, kv_inputs = model.encode(torch.randn(4, 3, 32, 32, device=device), [M] * 12)
     assert kv_inputs[0].dtype == torch.bfloat16  # the one bf16 copy q, k, v and OE share
     z.float().pow(2).sum().backward()
     layers = [layer for _, _, layer in model.lora_layers()]
@@ -962,9 +962,8 @@ def test_bf16_autocast_keeps_the_method_in_float32(device):
         assert layer.A.grad.dtype == torch.float32 and torch.isfinite(layer.A.grad).all()
         assert float((layer.A.grad @ M).norm()) <= 1e-5 * float(layer.A.grad.norm())
     sub = jm.OnlineSubspace(192, 8, device=device)
-    sub.memory = M
-    sub.basis = sub._fresh_basis()
-    sub.update(kv_inputs[3].detach().flatten(0, 1))
+    sub.basis = sub.fresh_basis(M)
+    sub.update(kv_inputs[3].detach().flatten(0, 1), M)
     assert sub.basis.dtype == torch.float32 and float((M.T @ sub.basis).abs().max()) < 1e-5
 
 
@@ -1045,23 +1044,21 @@ def test_oe_is_scale_free_and_merges_into_an_orthonormal_memory():
         for X in batches:
             subs[-1].update(X * c)
     assert float((subs[0].basis - subs[1].basis).abs().max()) < 1e-4  # the same trajectory
-    sub = subs[0]
+    sub, M = subs[0], torch.zeros(d, 0)
     for _ in range(3):  # three tasks
-        sub.merge()
+        M = sub.merge(M)
         for X in batches:
-            sub.update(X)
-        M = sub.memory
+            sub.update(X, M)
         assert float((M.T @ M - torch.eye(M.shape[1])).abs().max()) < 1e-5
-        assert float((sub.memory.T @ sub.basis).abs().max()) < 1e-5
-    sub.merge()
-    assert sub.memory.shape[1] == 4 * k
+        assert float((M.T @ sub.basis).abs().max()) < 1e-5
+    M = sub.merge(M)
+    assert M.shape[1] == 4 * k
     for _ in range(10):  # the memory never exceeds the width; a full one leaves no basis
-        sub.merge()
-    assert sub.memory.shape[1] == d and sub.basis.shape[1] == 0
-    sub.update(batches[0])
+        M = sub.merge(M)
+    assert M.shape[1] == d and sub.basis.shape[1] == 0
+    sub.update(batches[0], M)
     layer = vit.LoRALinear(d, 8, 2, 1.0)
-    layer.memory = sub.memory
-    layer.reset_lora_()
+    layer.reset_lora_(M)
     assert float(layer.A.detach().abs().max()) == 0.0  # an exact zero, not round-off
 
 
@@ -1070,14 +1067,14 @@ def test_oe_update_and_merge_repair_a_planted_leak():
     into span(M) and is not orthonormal, M^T V = 0 after update and M^T M = I after merge."""
     torch.manual_seed(6)
     sub = jm.OnlineSubspace(16, 3)
-    sub.memory = orthonormal(16, 4, dtype=torch.float32)
-    leak = sub.memory[:, :3] * 0.5 + 0.1 * torch.randn(16, 3)  # in span(M) largely, not unit
+    M = orthonormal(16, 4, dtype=torch.float32)
+    leak = M[:, :3] * 0.5 + 0.1 * torch.randn(16, 3)  # in span(M) largely, not unit
     sub.basis = leak
-    sub.update(torch.randn(50, 16))
-    assert float((sub.memory.T @ sub.basis).abs().max()) < 1e-5
+    sub.update(torch.randn(50, 16), M)
+    assert float((M.T @ sub.basis).abs().max()) < 1e-5
     sub.basis = leak
-    sub.merge()
-    assert float((sub.memory.T @ sub.memory - torch.eye(7)).abs().max()) < 1e-5
+    M = sub.merge(M)
+    assert float((M.T @ M - torch.eye(7)).abs().max()) < 1e-5
 
 
 def test_dml_terms():
@@ -1132,8 +1129,8 @@ def test_evaluate_tells_task_agnostic_from_task_aware():
     task-agnostically (the paper's argmax over all heads) and 100% task-aware; the accuracy over
     samples weighs the tasks by their test sizes."""
     class Identity(torch.nn.Module):
-        def forward(self, x):
-            return x.flatten(1)
+        def encode(self, x, memory=None):
+            return x.flatten(1), []
     D, tasks = 4, [[0, 1], [2, 3]]
     labels = [0, 1, 2, 3, 2, 3, 2, 3]  # task 1: 2 test samples, task 2: 6
     images = torch.eye(D)[labels].reshape(8, 1, 2, 2)  # z = one-hot of the class
@@ -1152,15 +1149,13 @@ def test_evaluate_tells_task_agnostic_from_task_aware():
 
 def test_violation_is_the_dense_relative_violation():
     torch.manual_seed(4)
-    layer = vit.LoRALinear(24, 16, 4, 0.5)
-    with torch.no_grad():
-        layer.B.normal_()
-    layer.memory = torch.linalg.qr(torch.randn(24, 6))[0]
-    dW = (layer.scale * layer.B @ layer.A).detach()  # formed densely here only
-    expected = float((dW @ layer.memory).norm() / dW.norm())
-    assert expected > 0.1 and abs(jm.violation(layer) - expected) < 1e-5 * expected
-    layer.memory = torch.zeros(24, 0)
-    assert jm.violation(layer) is None  # undefined: no memory yet
+    A, B = torch.randn(4, 24), torch.randn(16, 4)
+    M = torch.linalg.qr(torch.randn(24, 6))[0]
+    dW = 0.5 * B @ A  # formed densely here only
+    expected = float((dW @ M).norm() / dW.norm())
+    assert expected > 0.1 and abs(jm.violation(A, B, M) - expected) < 1e-5 * expected
+    assert jm.violation(A, B, torch.zeros(24, 0)) is None  # undefined: no memory yet
+    assert jm.violation(A, torch.zeros(16, 4), M) is None  # undefined: no update
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1193,7 +1188,6 @@ def test_rectify_updates_matches_the_dense_reference():
     d_in, d_out, r, s = 18, 11, 3, 0.6
     layer = vit.LoRALinear(d_in, d_out, r, s).double()
     M = orthonormal(d_in, 5)
-    layer.memory = M
     with torch.no_grad():
         layer.A.normal_()  # not orthogonal to M
         layer.B.normal_()
@@ -1204,7 +1198,7 @@ def test_rectify_updates_matches_the_dense_reference():
     dA, dB = layer.A.detach() - A0, layer.B.detach() - B0
     target = jm.safe_gradient(s * (B0 @ dA + dB @ A0), M)  # dense, (d_out, d_in)
     rA, rB = jm.least_norm_split(*jm.rectify(target, A0, B0, s, 1e-4), A0, B0)
-    jm.rectify_updates_([layer], [(A0, B0)], 1e-4)
+    jm.rectify_updates_([layer], [(A0, B0)], [M], 1e-4)
     assert rel(layer.A.detach() - A0, rA) < 1e-10 and rel(layer.B.detach() - B0, rB) < 1e-10
 
 
@@ -1272,7 +1266,7 @@ def _step_of(change, device, compile=False):
     torch.manual_seed(0)
     base = jm.build_model(cfg)
     images, y = torch.randn(4, 3, 32, 32, device=device), torch.tensor([0, 1, 2, 3], device=device)
-    return jm._bench_variant(cfg, base, change, 16, 4), images, y
+    return jm.bench_step(cfg, base, change, 16, 4), images, y
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -1305,7 +1299,7 @@ def test_compiled_blocks_give_the_same_step(monkeypatch):
 
 
 def test_interference_on_activations_equals_the_dense_computation():
-    """Probe, fed by the evaluation pass: per layer, ||X dW^T||_F / sqrt(tokens) over the past
+    """Probe, its pass over the seen test images: per layer, ||X dW^T||_F / sqrt(tokens) over the past
     tasks' test inputs and over the current task's, with X the block's K/V input and dW = s B A."""
     torch.manual_seed(9)
     model = vit.vit_tiny_patch16(depth=2, img_size=32, patch_size=8).eval()
@@ -1314,7 +1308,7 @@ def test_interference_on_activations_equals_the_dense_computation():
     current = torch.tensor([False, False, False, True, True])  # classes 3, 4: the current task
     probe = jm.Probe(factors, 0.5, current, "cpu")
     test = data._Images(list((images * 255).to(torch.uint8)), y.tolist(), lambda x: x)
-    jm.features(model, data.make_loader(test, 4, False, 0, 0), jm.Config(device="cpu"), probe)
+    probe.read(model, test, jm.Config(device="cpu", batch_size=4, workers=0))
     with torch.no_grad():
         kv = model.encode((images * 255).to(torch.uint8).float() / 255)[1]
     got = probe.interference()
@@ -1334,10 +1328,9 @@ def test_interference_is_round_off_when_the_update_is_off_a_memory_spanning_the_
     d, k = 24, 6
     M = orthonormal(d, k, dtype=torch.float32)
     layer = vit.LoRALinear(d, 12, 3, 1.0)
-    layer.memory = M
-    layer.reset_lora_()
+    layer.reset_lora_(M)
     X2 = torch.randn(512, d)
-    _fit(layer, X2, X2 @ torch.randn(12, d).T, 100, gr="update")
+    _fit(layer, X2, X2 @ torch.randn(12, d).T, 100, gr="update", memory=M)
     X_in = torch.randn(64, k) @ M.T  # past inputs inside span(M)
     outside = 0.3 * jm.safe_gradient(torch.randn(64, d), M)  # a part the memory misses
     dW = (layer.B @ layer.A).detach()
@@ -1364,8 +1357,9 @@ def test_dml_geometry_on_a_hand_built_case():
     assert g["hist"] == pytest.approx(expected)
 
 
-def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4):
-    """Adam on one LoRA layer; gr in (None, 'grad', 'update'); sub: an OnlineSubspace to update."""
+def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4, memory=None):
+    """Adam on one LoRA layer, projecting with memory; gr in (None, 'grad', 'update'); sub: an
+    OnlineSubspace to update."""
     opt = torch.optim.Adam([layer.A, layer.B], lr=lr)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -1373,11 +1367,11 @@ def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4):
         if sub is not None:
             sub.update(X[idx])
         opt.zero_grad()
-        F.mse_loss(layer(X[idx]), Y[idx]).backward()
+        F.mse_loss(layer(X[idx], memory), Y[idx]).backward()
         if gr == "grad":
             jm.rectify_gradients_([layer], delta)
         if gr == "update":
-            jm.rectified_adam_step_(opt, [layer], delta)
+            jm.rectified_adam_step_(opt, [layer], [memory], delta)
         else:
             opt.step()
 
@@ -1396,8 +1390,7 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
     layer, sub = vit.LoRALinear(d_in, d_out, r, 1.0), jm.OnlineSubspace(d_in, k)
     _fit(layer, X1, Y1, 300, sub=sub)
     layer.merge_()
-    sub.merge()
-    M = sub.memory
+    M = sub.merge(torch.zeros(d_in, 0))
     assert _sin_largest_angle(U1, M) < 0.1  # OE found task 1's subspace
     with torch.no_grad():
         loss1, loss2 = float(F.mse_loss(layer(X1), Y1)), float(F.mse_loss(layer(X2), Y2))
@@ -1409,10 +1402,8 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
             monkeypatch.setattr(jm, "least_norm_split", lambda dA, dB, A, B: (dA, dB))
         lay = copy.deepcopy(layer)
         torch.manual_seed(1)
-        if oe:
-            lay.memory = M
-        lay.reset_lora_()
-        _fit(lay, X2, Y2, 300, gr=gr)
+        lay.reset_lora_(M if oe else None)
+        _fit(lay, X2, Y2, 300, gr=gr, memory=M if oe else None)
         with torch.no_grad():
             dW = lay.scale * lay.B @ lay.A
             results[name] = (float((dW @ M).norm() / dW.norm()),
@@ -1446,31 +1437,41 @@ def _results(folder):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One run of TINY (three tasks), read by every test below that only reads results. It records,
-    after each task, whether every LoRA layer holds its block's memory, and the memory width that
-    each violation was computed against."""
-    out, seen = tmp_path_factory.mktemp("tiny") / "run", {"holds": [], "widths": [], "lr": []}
+    """One run of TINY (three tasks), read by every test below that only reads results. It records
+    the lr of each step, the memory each K/V layer's forward got in each step, the memory after
+    each task, and the memory width that each violation was computed against."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    seen = {"memory": [], "forward": [], "widths": [], "lr": []}
     real_end, real_violation, real_step = jm.end_task, jm.violation, jm.train_step
+    real_forward = vit.LoRALinear.forward
 
-    def train_step(model, head, opt, *args):
+    def train_step(learner, opt, *args):
         seen["lr"].append(opt.param_groups[0]["lr"])
-        return real_step(model, head, opt, *args)
+        got = seen["in_step"] = []
+        out = real_step(learner, opt, *args)
+        seen["in_step"] = None
+        expected = [M for M in learner.memory for _ in "kv"]  # block i's for its K and V
+        seen["forward"].append([a is b for a, b in zip(got, expected)] + [len(got) == 24])
+        return out
+
+    def forward(self, x, memory=None):
+        if seen.get("in_step") is not None:
+            seen["in_step"].append(memory)
+        return real_forward(self, x, memory)
 
     def end_task(learner, t, *args):
         factors = real_end(learner, t, *args)
-        seen["holds"].append([layer.memory is learner.memory[i]
-                              and layer.memory.shape[1] == 8 * (t + 1)
-                              and torch.equal(layer.memory, learner.subspace.memory[i])
-                              for i, _, layer in learner.model.lora_layers()])
+        seen["memory"].append(torch.stack(learner.memory))
         return factors
 
-    def violation(layer):
-        seen["widths"].append(layer.memory.shape[1])
-        return real_violation(layer)
+    def violation(A, B, M):
+        seen["widths"].append(M.shape[1])
+        return real_violation(A, B, M)
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
         mp.setattr(jm, "end_task", end_task)
         mp.setattr(jm, "violation", violation)
         mp.setattr(jm, "train_step", train_step)
+        mp.setattr(vit.LoRALinear, "forward", forward)
         code = jm.main(TINY + ["--out", str(out)])
     return dict(out=out, code=code, res=_results(out), log=log.getvalue(), **seen)
 
@@ -1521,10 +1522,14 @@ def test_the_loop_learns_each_task_on_cuda(tmp_path):
     assert sum(A[t][t] for t in range(3)) / 3 >= 50
 
 
-def test_every_layer_holds_its_blocks_memory_after_each_task(tiny_run):
-    """After task t each LoRA layer's memory is its block's OE memory, k (t + 1) wide; the
-    violations of tasks 2..T were computed against that non-empty memory."""
-    assert len(tiny_run["holds"]) == 3 and all(all(h) for h in tiny_run["holds"])
+def test_every_layer_projects_with_its_blocks_memory_in_every_step(tiny_run):
+    """In every step, K and V of block i get the learner's memory of block i itself (one owner,
+    no copies); after task t it is k (t + 1) wide and orthonormal; the violations of tasks 2..T
+    were computed against the memory of their training, non-empty."""
+    assert len(tiny_run["forward"]) == 3 * 2 * 12 and all(all(f) for f in tiny_run["forward"])
+    for t, M in enumerate(tiny_run["memory"]):  # (blocks, D, m)
+        assert M.shape == (12, 192, 8 * (t + 1))
+        assert float((M.mT @ M - torch.eye(M.shape[2])).abs().max()) < 1e-5
     widths = tiny_run["widths"]  # 24 layers per task
     assert widths == [0] * 24 + [8] * 24 + [16] * 24
 
@@ -1544,18 +1549,18 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
         if method == "inflora":  # A after training, before the merge: still the designed one
             designed = seen["designed"][-len(layers) // 2:]  # one per block
             assert all(torch.equal(layer.A, designed[i // 2]) for i, layer in enumerate(layers))
-            assert all(float((layer.A @ layer.memory).norm()) < 1e-5 for layer in layers)
+            assert all(float((layer.A @ learner.memory[i // 2]).norm()) < 1e-5
+                       for i, layer in enumerate(layers))
         factors = real_end(learner, t, *args)
         seen["widths"].append([m.shape[1] for m in learner.memory])
         return factors
     monkeypatch.setattr(jm, "end_task", end_task)
     real_step, projected = jm.train_step, []
 
-    def train_step(model, head, opt, images, y, cfg, subspace, prototypes):  # rolling: V projects
-        basis = subspace.basis.clone()
-        out = real_step(model, head, opt, images, y, cfg, subspace, prototypes)
-        projected.append(all(torch.equal(layer.memory, basis[i])
-                             for i, _, layer in model.lora_layers()))
+    def train_step(learner, *args):  # rolling: the basis as it stood is the step's memory
+        basis = learner.oe.basis.clone()
+        out = real_step(learner, *args)
+        projected.append(all(torch.equal(M, V) for M, V in zip(learner.memory, basis)))
         return out
     if method == "janus-rolling":
         monkeypatch.setattr(jm, "train_step", train_step)
@@ -1575,37 +1580,41 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
         assert widths == [[0] * 12, [0] * 12]
 
 
-def test_progress_lines_go_to_log_txt_with_an_eta_that_counts_evaluation(tmp_path, capsys):
-    progress = jm.Progress(tmp_path, every=0)  # a heartbeat line whenever asked
-    progress.plan(train=100, evaluation=30)
-    progress.done("train", 50, 5.0)  # 0.1 s an image; evaluation not timed yet: a third of that
-    assert progress.eta() == pytest.approx(50 * 0.1 + 30 * 0.1 / 3)
-    progress.done("eval", 10, 0.5)  # now timed: 0.05 s an image
-    assert progress.eta() == pytest.approx(50 * 0.1 + 20 * 0.05)
-    progress.step(lambda: "task 1/2 epoch 1/1 step 3/9")
-    progress.beat()  # what the heartbeat thread does: a line, as none came for `every` s
-    progress.step(None)
-    progress.beat()  # not training: nothing
-    progress.log("task 1 accuracy")
-    progress.close()
-    assert (tmp_path / "log.txt").read_text() == "task 1/2 epoch 1/1 step 3/9\ntask 1 accuracy\n"
-    assert "step 3/9" in capsys.readouterr().out
+def test_progress_lines_come_every_30_s_with_an_eta_that_counts_evaluation(monkeypatch, capsys):
+    now = [0.0]
+    monkeypatch.setattr(jm.time, "time", lambda: now[0])
+    clock = jm.Clock(train_images=100, eval_images=30)
+    now[0] = 5.0
+    due = clock.passed("train", 50)  # 0.1 s an image; evaluation not timed yet: a third of that
+    assert not due and clock.eta() == pytest.approx(50 * 0.1 + 30 * 0.1 / 3)
+    now[0] = 30.0
+    assert clock.passed("train", 0)  # 30 s since the last line: one is due; 0.6 s an image now
+    clock.show("task 1/2 epoch 1/1: 3/9 steps")  # ETA 50 * 0.6 + 30 * 0.2 = 36 s
+    now[0] = 30.5
+    assert not clock.passed("eval", 10)  # evaluation timed: 0.05 s an image
+    assert clock.eta() == pytest.approx(50 * 0.6 + 20 * 0.05)
+    assert capsys.readouterr().out == "task 1/2 epoch 1/1: 3/9 steps  ETA 0.6 min\n"
 
 
-def test_help_answers_before_torch_loads():
-    code = ("import runpy, sys\nsys.argv = ['janus_min.py', '--help']\ntry:\n"
-            "    runpy.run_path('janus_min.py', run_name='__main__')\nexcept SystemExit:\n"
-            "    print('torch loaded:', 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(jm.__file__).parent).stdout
-    assert "examples:" in out and "ablation (paper Table 1):" in out
-    assert out.strip().endswith("torch loaded: False")
+def test_every_console_line_goes_to_log_txt_after_a_timestamp(tmp_path):
+    console = io.StringIO()
+    with open(tmp_path / "log.txt", "w") as log:
+        tee = jm.Tee(console, log)
+        print("one\ntw", end="", file=tee)
+        print("o", file=tee)
+    assert console.getvalue() == "one\ntwo\n"
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "
+    assert re.fullmatch(f"{stamp}one\n{stamp}two\n", (tmp_path / "log.txt").read_text())
 
 
-def test_the_configuration_names_what_data_and_vit_hold():
-    assert set(jm.DATASET_NAMES) == set(data.DATASETS) and set(jm.MODEL_NAMES) == set(vit.PRESETS)
+def test_help_lists_every_flag_by_group_with_examples(capsys):
+    with pytest.raises(SystemExit) as stop:
+        jm.main(["--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "examples:" in out and "ablation (paper Table 1):" in out
     grouped = " ".join(jm.GROUPS.values()).split()
     assert sorted(grouped) == sorted(f.name for f in jm.fields(jm.Config))  # each flag in a group
+    assert all(jm._flag(name) in out or "--no-" + name in out for name in grouped)
 
 
 @pytest.mark.parametrize("memory", [True, False])
@@ -1670,13 +1679,15 @@ def test_a_finished_runs_checkpoint_holds_its_final_model(tiny_run):
     assert acc == tiny_run["res"]["runs"][0]["acc_matrix"][-1]
 
 
-def test_a_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+def test_a_second_run_on_the_same_folder_is_refused_until_its_lock_is_gone(tmp_path, capsys):
     folder = tmp_path / "busy"
     folder.mkdir()
-    (folder / "run.lock").write_text(f"{os.getppid()} {socket.gethostname()}")  # a live process
+    (folder / "run.lock").write_text(f"process 4242 on {socket.gethostname()}")
     assert jm.main(TINY + ["--out", str(folder)]) == 2
-    assert f"is in use by the run of process {os.getppid()}" in capsys.readouterr().err
-    (folder / "run.lock").write_text(f"{2**22 + 12345} {socket.gethostname()}")  # no such process
+    err = capsys.readouterr().err
+    assert "is in use by the run of process 4242" in err and "choose another --out" in err
+    assert f"delete {folder / 'run.lock'}" in err and (folder / "run.lock").exists()
+    (folder / "run.lock").unlink()  # as the message says, once no run writes there
     assert jm.main(_flag(TINY, "--tasks", "1") + ["--epochs", "1", "--out", str(folder)]) == 0
     assert not (folder / "run.lock").exists()
     run = _results(folder)["runs"][0]
@@ -1725,11 +1736,11 @@ def test_reproduce_resumes_and_writes_the_table(tmp_path, monkeypatch, capsys):
         "--reproduce", "gr-plugin", "--out", str(tmp_path)]
     calls, real = [], jm.run_seed
 
-    def run_seed(cfg, *args, **kw):
+    def run_seed(learner, splits, cfg, *args):
         calls.append(cfg.gr)
         if len(calls) == 2:  # Ctrl-C in the second row
             raise KeyboardInterrupt
-        return real(cfg, *args, **kw)
+        return real(learner, splits, cfg, *args)
     monkeypatch.setattr(jm, "run_seed", run_seed)
     assert jm.main(argv) == 130 and not (tmp_path / "table.md").exists()
     assert jm.main(argv) == 0

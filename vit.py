@@ -37,7 +37,8 @@ class CheckpointError(Exception):
 
 
 class LoRALinear(nn.Linear):
-    """Frozen linear layer W0 plus a trainable update scale * B @ A, and the block's memory M."""
+    """Frozen linear layer W0 plus a trainable update scale * B @ A (Eq. (1)); the forward takes the
+    block's protected memory M (d_in, m), orthonormal, which the learner owns."""
 
     def __init__(self, in_features, out_features, rank, scale):
         super().__init__(in_features, out_features)
@@ -45,20 +46,18 @@ class LoRALinear(nn.Linear):
         self.scale = float(scale)
         self.A = nn.Parameter(torch.empty(rank, in_features))   # (r, d_in)
         self.B = nn.Parameter(torch.empty(out_features, rank))  # (d_out, r)
-        # (d_in, m), orthonormal; set by the trainer (not saved with the weights)
-        self.register_buffer('memory', torch.zeros(in_features, 0), persistent=False)
         self.reset_lora_()
 
-    def forward(self, x):  # x (..., d_in)
+    def forward(self, x, memory=None):  # x (..., d_in), memory (d_in, m) or None
         out = F.linear(x, self.weight, self.bias)
-        if self.memory.shape[1] == 0:
+        if memory is None or memory.shape[1] == 0:
             return out + self.scale * F.linear(F.linear(x, self.A), self.B)
         # Janus-LoRA Theorem 1 through autograd. A = A_out + A_in with A_in = A M M^T held constant:
         # the output and dL/dx are unchanged, and the factor gradients become the chain rule of the
         # safe gradient, dL/dA = s B^T G (I - M M^T), dL/dB = s G (I - M M^T) A^T (G = dL/dW).
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dt = torch.promote_types(self.A.dtype, torch.float32)
-            a, m = self.A.to(dt), self.memory.to(dt)
+            a, m = self.A.to(dt), memory.to(dt)
             a_in = (a.detach() @ m) @ m.T  # (r, d_in), constant
             a_out = a - (a @ m) @ m.T      # (r, d_in), carries A's gradient
         xa = F.linear(x, torch.cat([a_out, a_in]).to(x.dtype))  # (..., 2r)
@@ -66,21 +65,23 @@ class LoRALinear(nn.Linear):
         return out + self.scale * F.linear(xa, torch.cat([self.B, self.B.detach()], 1))
 
     @torch.no_grad()
-    def reset_lora_(self):
+    def reset_lora_(self, memory=None):
         """A fresh pair: A Kaiming-uniform with its rows moved off span(M), B = 0."""
         # nn.Linear's own init, drawn on the CPU: a run's random numbers must not depend on device
         self.A.copy_(nn.init.kaiming_uniform_(torch.empty(self.A.shape), a=math.sqrt(5)))
-        m = self.memory.to(self.A.dtype)
-        self.A -= (self.A @ m) @ m.T
-        if m.shape[1] == m.shape[0]:  # a full memory: an exact 0, not round-off for GR to amplify
-            self.A.zero_()
+        if memory is not None:
+            m = memory.to(self.A.dtype)
+            self.A -= (self.A @ m) @ m.T
+            if m.shape[1] == m.shape[0]:  # a full memory: an exact 0, no round-off for GR to grow
+                self.A.zero_()
         self.B.zero_()
 
     @torch.no_grad()
-    def merge_(self):
-        """Fold scale * B @ A into the frozen weight, then a fresh pair (same Parameter objects)."""
+    def merge_(self, memory=None):
+        """Fold scale * B @ A into the frozen weight, then a fresh pair off the memory (the same
+        Parameter objects)."""
         self.weight += self.scale * (self.B @ self.A).to(self.weight.dtype)
-        self.reset_lora_()
+        self.reset_lora_(memory)
 
 
 class Attention(nn.Module):
@@ -90,11 +91,11 @@ class Attention(nn.Module):
         self.q, self.proj = nn.Linear(dim, dim), nn.Linear(dim, dim)  # no adapter on Q and output
         self.k, self.v = LoRALinear(dim, dim, rank, scale), LoRALinear(dim, dim, rank, scale)
 
-    def forward(self, x):  # x (B, N, D)
+    def forward(self, x, memory=None):  # x (B, N, D); memory (D, m): K and V share their input
         b, n, d = x.shape
         # (B, N, D) -> (B, heads, N, D/heads), the layout SDPA wants
-        q, k, v = (f(x).view(b, n, self.num_heads, -1).transpose(1, 2)
-                   for f in (self.q, self.k, self.v))
+        q, k, v = (t.view(b, n, self.num_heads, -1).transpose(1, 2)
+                   for t in (self.q(x), self.k(x, memory), self.v(x, memory)))
         x = F.scaled_dot_product_attention(q, k, v)  # (B, heads, N, D/heads)
         return self.proj(x.transpose(1, 2).reshape(b, n, d))
 
@@ -109,11 +110,11 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(),
                                              fc2=nn.Linear(hidden, dim)))
 
-    def forward(self, x):  # x (B, N+1, D) -> (x, h); h = norm1(x), the shared input of K and V
+    def forward(self, x, memory=None):  # x (B, N+1, D) -> (x, h); h = norm1(x), K's and V's input
         h = self.norm1(x)  # float32 even under autocast
         if torch.is_autocast_enabled(x.device.type):  # one bf16 copy for q, k, v and OE
             h = h.to(torch.get_autocast_dtype(x.device.type))
-        x = x + self.attn(h)
+        x = x + self.attn(h, memory)
         return x + self.mlp(self.norm2(x)), h
 
 
@@ -133,21 +134,19 @@ class VisionTransformer(nn.Module):
         for p in self.lora_parameters():
             p.requires_grad_(True)
 
-    def _run(self, images, keep):
+    def encode(self, images, memory=None):
+        """images (B, C, H, W) -> z (B, D) and each block's K/V input (B, N+1, D); memory: the
+        protected memory (D, m) of each block, which the LoRA layers project with (or None)."""
         x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, D, H/p, W/p) -> (B, N, D)
         x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], 1) + self.pos_embed  # (B, N+1, D)
         kv_inputs = []
-        for blk in self.blocks:
-            x, h = blk(x)
-            if keep:
-                kv_inputs.append(h)
+        for i, blk in enumerate(self.blocks):
+            x, h = blk(x, None if memory is None else memory[i])
+            kv_inputs.append(h)
         return self.norm(x[:, 0]), kv_inputs  # LayerNorm is per token: the class token's suffices
 
     def forward(self, images):  # (B, C, H, W) -> z (B, D)
-        return self._run(images, False)[0]
-
-    def encode(self, images):  # -> (z (B, D), [norm1 output (B, N+1, D) per block])
-        return self._run(images, True)
+        return self.encode(images)[0]
 
     def lora_layers(self):
         return [(i, n, getattr(b.attn, n)) for i, b in enumerate(self.blocks) for n in ('k', 'v')]
@@ -286,7 +285,7 @@ def _resize_pos_embed(pos, grid):
 
 
 def load_pretrained(model, source='in21k', verbose=True):
-    """Fill every pretrained tensor of `model` from `source`, strictly (A, B, memory left alone).
+    """Fill every pretrained tensor of `model` from `source`, strictly (A and B left alone).
     Returns: source, path, container, format (key layout), loaded, ignored, resized."""
     report = dict(source=str(source), path=None, container=None, format=None, loaded=0,
                   ignored=[], resized=None)
@@ -303,8 +302,7 @@ def load_pretrained(model, source='in21k', verbose=True):
     if layout == 'torchvision':  # the released file predates torchvision's MLP renaming (PR 6053)
         sd = {k.replace('mlp.linear_1.', 'mlp.0.').replace('mlp.linear_2.', 'mlp.3.'): v
               for k, v in sd.items()}
-    target = {k: v for k, v in model.state_dict().items()
-              if k.rsplit('.', 1)[-1] not in ('A', 'B', 'memory')}
+    target = {k: v for k, v in model.state_dict().items() if k.rsplit('.', 1)[-1] not in ('A', 'B')}
     theirs = {k: _their_key(layout, k) for k in target}  # model key -> checkpoint key
     report['ignored'] = sorted(k for k in sd if k.startswith(_IGNORED[layout]))
     misfit = 'shape mismatches, checkpoint vs model'
