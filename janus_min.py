@@ -91,13 +91,15 @@ class Config:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
                           choices=["bf16", "fp32"])
-    compile: bool = _opt(False, "torch.compile each ViT block", action="store_true")
+    compile: str = _opt("auto", "on: torch.compile each ViT block and, on CUDA, replay each training "
+                        "step as one CUDA graph (ours, for speed); auto: on with CUDA, off on the "
+                        "CPU", choices=["auto", "on", "off"], nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
     resume: str = _opt(None, "continue the run in this folder after its last finished task")
     # output, and the other modes
     out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
     benchmark: bool = _opt(False, "time plain LoRA and Janus steps, then exit", action="store_true")
-    steps: int = _opt(20, "--benchmark: timed rounds (after 3 warm-up steps)")
+    steps: int = _opt(20, "--benchmark: timed rounds (after 5 warm-up steps)")
     reproduce: str = _opt(None, "run every row of a table or figure of the paper into OUT/<row>/, "
                           "then write OUT/table.md (README, 'Reproducing the paper')")
     row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
@@ -113,7 +115,8 @@ def train_step(learner, opt, images, y, cfg):
     and the number right, as tensors (no host sync)."""
     model, head = learner.model, learner.heads[-1]
     if cfg.memory == "oe-rolling":  # the paper's words read literally: V, as it stands, is M
-        learner.memory = list(learner.oe.basis)
+        for M, V in zip(learner.memory, learner.oe.basis):
+            M.copy_(V)  # in place, as OE's own update: a CUDA graph replays fixed addresses
     # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11)
     with autocast(images.device, cfg):
         z, kv_inputs = model.encode(images, learner.memory)  # kv_inputs: (B, N, D) per block
@@ -169,7 +172,7 @@ class OnlineSubspace:
         self.dim, self.k, self.blocks = dim, k, blocks
         self.lr, self.decay_steps = lr, decay_steps
         self.basis = self.fresh_basis(None, device)
-        self.steps = 0  # this task's steps so far: the step size decays with them
+        self.steps = torch.zeros((), device=device)  # this task's steps so far: the step decays
 
     def fresh_basis(self, memory, device=None):
         """A random orthonormal V off the memory (None: empty); a full memory leaves no room."""
@@ -189,28 +192,27 @@ class OnlineSubspace:
             return
         XtXV, S = [], []
         for x, v in zip(X if self.blocks else [X], V if self.blocks else [V]):
-            x = x.reshape(-1, self.dim).float()  # a block at a time: all of them in float32 is large
-            xv = x @ v  # (n, k); equals X_p V, as V is orthogonal to M
-            XtXV.append(x.T @ xv)
+            x = x.reshape(-1, self.dim)  # (n, D), in its own dtype: bf16 under autocast (README)
+            xv = x @ v.to(x.dtype)  # (n, k); equals X_p V, as V is orthogonal to M
+            XtXV.append((x.T @ xv).float())
             S.append(_gram(xv))  # (k, k): the energy each direction captures
         CV = _off(torch.stack(XtXV).reshape(V.shape), M)  # X_p^T X_p V
         S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: still finite
         grad = -(CV - V @ (V.mT @ CV))  # the gradient of Eq. (8) at an orthonormal V
         grad = _spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
-        lr = self.lr * self.decay_steps / (self.decay_steps + self.steps)  # ours: decays as 1/t
+        lr = torch.full_like(self.steps, self.lr * self.decay_steps)  # ours: the step decays as
+        lr = lr / (self.decay_steps + self.steps)  # 1/t (a tensor: the step count is the device's)
         V_tilde = V - lr * grad  # Eq. (9)
-        Q, R = torch.linalg.qr(V_tilde)  # Eq. (10): V <- Q
-        signs = torch.where(R.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0)  # ours: R's diagonal > 0,
-        V = Q * signs[..., None, :]  # so that V does not flip from step to step
-        self.basis = _off(V, M)  # round-off must not leak V into span(M)
-        self.steps += 1
+        V = _qr_q(V_tilde)  # Eq. (10): V <- Q of V_tilde = QR; ours: R's diagonal > 0 (no flips)
+        self.basis.copy_(_off(V, M))  # off M: no round-off leaks into span(M); in place, as a
+        self.steps += 1  # CUDA graph replays fixed addresses (README, "Speed")
 
     @torch.no_grad()
     def merge(self, memory):
         """A task's end (ours): M <- orth([M, V]) per block; returns it, with a fresh V off it."""
         M = torch.linalg.qr(torch.cat([_stacked(memory), self.basis], dim=-1)).Q
         self.basis = self.fresh_basis(M)
-        self.steps = 0
+        self.steps.zero_()
         return list(M) if self.blocks else M
 
 
@@ -276,6 +278,14 @@ def _ridge(S, delta):
     """S + delta * mean(eig S) * I for Gram matrices S (..., r, r) (README, "GR ridge")."""
     lam = delta * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
     return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
+
+
+def _qr_q(V):
+    """Q of V = QR (..., n, k) with R's diagonal positive: R^T is the Cholesky factor of V^T V, in
+    float64 (V^T V >= I here, as OE's step is orthogonal to V); a GPU does this far faster than a
+    batched Householder QR (2.5 ms of an H100 step)."""
+    R = torch.linalg.cholesky_ex(_gram(V)).L.mT
+    return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
 
 
 def _spd_solve(S, rhs):
@@ -424,7 +434,9 @@ def start_learner(cfg, seed, base_model):
     model = copy.deepcopy(base_model).to(device)
     for _, _, layer in model.lora_layers():
         layer.reset_lora_()  # the first task's A comes from this seed too
-    for block in model.blocks if cfg.compile else []:
+    if cfg.compile == "on":  # a block meets new shapes as the memory widens: more than 8 variants
+        torch._dynamo.config.recompile_limit = 64
+    for block in model.blocks if cfg.compile == "on" else []:
         block.compile()  # in place: the parameter names, and so the checkpoints, stay the same
     L, D = len(model.blocks), model.embed_dim
     oe = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device, blocks=L)
@@ -437,7 +449,9 @@ def start_task(learner, t, tasks, splits, cfg):
     the task's K/V inputs (test transform) off the memory, and freezes it."""
     model = learner.model
     learner.heads.append(torch.nn.Linear(model.embed_dim, len(tasks[t])).to(cfg.device))
-    learner.oe.steps = 0  # each task's OE starts with large steps (README)
+    learner.oe.steps.zero_()  # each task's OE starts with large steps (README)
+    if cfg.memory == "oe-rolling":  # V, as it stands, is the memory (train_step keeps it so)
+        learner.memory = list(learner.oe.basis.clone())
     for _, _, layer in model.lora_layers():
         layer.A.requires_grad_(cfg.lora_a == "trained")  # InfLoRA trains B only
     if cfg.lora_a == "inflora":
@@ -456,16 +470,15 @@ def train_task(learner, t, tasks, splits, cfg, clock):
     loader = data.make_loader(data.subset(splits.train, tasks[t]), cfg.batch_size, True,
                               cfg.workers, seed, cfg.device)
     params = [p for p in learner.model.lora_parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params + list(learner.heads[-1].parameters()), lr=cfg.lr)
+    opt, step_fn = optimizer(params + list(learner.heads[-1].parameters()), cfg)
     learner.throughput.append([])
     first_loss = None
     for epoch in range(cfg.epochs):
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
+        set_lr(opt, cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule))
         start, loss_sum, correct, seen = time.time(), 0.0, 0, 0
         for step, (images, y) in enumerate(loader, 1):
             images, y = images.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
-            loss, right = train_step(learner, opt, images, y, cfg)
+            loss, right = step_fn(learner, opt, images, y, cfg)
             loss_sum = loss_sum + loss * len(y)  # tensors: read once an epoch
             correct = correct + right
             seen += len(y)
@@ -490,6 +503,52 @@ def train_task(learner, t, tasks, splits, cfg, clock):
         clock.show(line)
 
 
+def optimizer(params, cfg):
+    """Adam (betas 0.9, 0.999, as InfLoRA), and the step to run: train_step, or on CUDA with
+    --compile on its CUDA graph, for which Adam keeps its lr and step count as tensors."""
+    graphed = cfg.compile == "on" and cfg.device.startswith("cuda")
+    lr = torch.tensor(cfg.lr, device=cfg.device) if graphed else cfg.lr
+    opt = torch.optim.Adam(params, lr=lr, capturable=graphed)
+    return opt, StepGraph(train_step) if graphed else train_step
+
+
+def set_lr(opt, lr):
+    for group in opt.param_groups:
+        if torch.is_tensor(group["lr"]):  # in place: a CUDA graph replays this tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+class StepGraph:
+    """Ours, for speed: after `warmup` ordinary steps, train_step is recorded as one CUDA graph and
+    replayed for each batch of that shape, so that the host does nothing per step; a batch of
+    another shape (an epoch's last) runs the step as it is. A task records its own graph."""
+
+    def __init__(self, step, warmup=3):
+        self.step, self.warmup, self.graph = step, warmup, None
+
+    def __call__(self, learner, opt, images, y, cfg):
+        if self.graph is not None and images.shape == self.images.shape:
+            self.images.copy_(images)
+            self.y.copy_(y)
+            self.graph.replay()
+            return self.out
+        if self.graph is not None or self.warmup > 0:  # on a side stream, as CUDA graphs want
+            self.warmup -= 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.step(learner, opt, images, y, cfg)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        self.images, self.y = images.clone(), y.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # recorded, not run: the replay below runs it
+            self.out = self.step(learner, opt, self.images, self.y, cfg)
+        return self(learner, opt, images, y, cfg)
+
+
 def lr_factor(epoch, epochs, schedule):
     """The lr of a task's epoch, as a factor of --lr: InfLoRA's CosineSchedule as its code steps
     it, cos(99 pi e / (200 (K - 1))) for e = epoch - 1 after an epoch at 1; or a half cosine."""
@@ -511,7 +570,7 @@ def end_task(learner, t, tasks, splits, cfg, clock):
     if cfg.oe and cfg.memory == "oe":  # this task's OE basis joins the memory
         learner.memory = learner.oe.merge(learner.memory)
     elif cfg.oe and cfg.memory == "oe-rolling":  # the basis goes on to the next task as it is
-        learner.memory = list(learner.oe.basis)
+        learner.memory = list(learner.oe.basis.clone())
     elif cfg.oe:  # GPM's pass over the task's images, timed with the task: OE exists to avoid it
         C = kv_covariance(learner.model, images, cfg, memory)
         threshold = gpm_threshold(cfg, t)
@@ -797,6 +856,8 @@ def _check_device(cfg):
              and cfg.device[5:].isdigit(), f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.compile == "auto":  # the fastest setting measured on CUDA (README, "Speed")
+        cfg.compile = "on" if cfg.device.startswith("cuda") else "off"
     gpus = torch.cuda.device_count()
     _require(not cfg.device.startswith("cuda") or int(cfg.device.partition(":")[2] or 0) < gpus,
              f"--device {cfg.device} asked for, but torch sees {gpus} GPU(s); use --device cpu or "
@@ -835,7 +896,7 @@ def resume_config(cfg, typed):
     _require(set(seeds) >= set(saved["seeds"]), f"--resume {_q(folder)}: its seeds are "
              f"{' '.join(map(str, saved['seeds']))}; give those (and more, to add seeds) or none")
     free = dict(device=typed.get("device", "auto"), workers=typed.get("workers"),
-                compile=typed.get("compile", saved["compile"]), seeds=seeds)
+                compile=typed.get("compile", "auto"), seeds=seeds)
     return Config(**{**saved, **free, "out": folder, "resume": folder}), ckpt
 
 
@@ -1078,7 +1139,8 @@ def restore(learner, state, cfg):
     def here(value):
         return value.to(cfg.device) if torch.is_tensor(value) else value
     learner.model.load_state_dict(state["kv"], strict=False)  # K and V with the tasks merged in
-    learner.oe.basis, learner.oe.steps = here(state["oe_basis"]), state["oe_steps"]
+    learner.oe.basis = here(state["oe_basis"])
+    learner.oe.steps = here(state["oe_steps"])
     learner.memory = [here(M) for M in state["memory"]]
     tasks = data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)
     for classes in tasks[:len(state["acc"])]:
@@ -1413,7 +1475,7 @@ def benchmark(cfg):
             torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device) if cuda else 0
         steps[name] = bench_step(cfg, base, change, m, C)
-        for _ in range(3):  # warm-up: allocator, kernels, Adam's state
+        for _ in range(5):  # warm-up: allocator, kernels, Adam's state, a CUDA graph's recording
             steps[name](images, y)
         peaks[name] = (torch.cuda.max_memory_allocated(device) - before) / 2**20 if cuda else None
     ms = {name: [] for name in steps}
@@ -1468,11 +1530,14 @@ def bench_step(cfg, base, change, m, C):
             layer.reset_lora_(learner.memory[i])
     learner.prototypes = F.normalize(torch.randn(C * (cfg.tasks // 2), D, device=cfg.device), dim=1)
     learner.heads.append(torch.nn.Linear(D, C).to(cfg.device))
-    params = learner.model.lora_parameters() + list(learner.heads[-1].parameters())
-    opt = torch.optim.Adam(params, lr=cfg.lr)
+    if vcfg.memory == "oe-rolling":  # V itself, as start_task sets it
+        learner.memory = list(learner.oe.basis.clone())
+    opt, step_fn = optimizer(learner.model.lora_parameters() +
+                             list(learner.heads[-1].parameters()), vcfg)
 
     def step(images, y):
-        return train_step(learner, opt, images, y, vcfg)
+        return step_fn(learner, opt, images, y, vcfg)
+    step.learner, step.opt = learner, opt  # for the tests
     return step
 
 

@@ -1261,7 +1261,8 @@ STEP_VARIANTS = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": {},
 def _step_of(change, device, compile=False):
     """A train_step of a variant in a mid-run state (the benchmark's), on a small ViT."""
     argv = ["--model", "vit_tiny", "--weights", "none", "--img-size", "32", "--patch-size", "8",
-            "--k", "8", "--dataset", "synthetic", "--device", device] + ["--compile"] * compile
+            "--k", "8", "--dataset", "synthetic", "--device", device,
+            "--compile", "on" if compile else "off"]
     cfg = jm.check_config(jm.parse_args(argv))
     torch.manual_seed(0)
     base = jm.build_model(cfg)
@@ -1270,11 +1271,14 @@ def _step_of(change, device, compile=False):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("variant", list(STEP_VARIANTS))
-def test_train_step_never_syncs_with_the_host_on_cuda(variant):
-    """A training step of every variant runs under torch.cuda.set_sync_debug_mode("error")."""
-    step, images, y = _step_of(STEP_VARIANTS[variant], "cuda")
-    step(images, y)  # warm-up: handles, workspaces and first-call checks may sync once
+def test_train_step_never_syncs_with_the_host_on_cuda(variant, compile):
+    """A training step of every variant, compiled (blocks, and the step as a CUDA graph) and not,
+    runs under torch.cuda.set_sync_debug_mode("error")."""
+    step, images, y = _step_of(STEP_VARIANTS[variant], "cuda", compile)
+    for _ in range(5):  # warm-up: handles, workspaces, first-call checks; the graph's recording
+        step(images, y)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -1282,6 +1286,32 @@ def test_train_step_never_syncs_with_the_host_on_cuda(variant):
             step(images, y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["janus-grad", "janus-update", "oe-rolling", "plain"])
+def test_the_cuda_graph_replays_what_train_step_does(variant, monkeypatch):
+    """StepGraph (--compile on, CUDA) against train_step itself with the same Adam: through the
+    warm-up, the recording, replays on new inputs, an lr change and a batch of another shape, the
+    factors, OE's basis and step count, and Adam's moments agree."""
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: None)  # the graph alone
+    runs = []
+    for graphed in (True, False):
+        if not graphed:
+            monkeypatch.setattr(jm, "StepGraph", lambda step: step)
+        step, images, y = _step_of({**STEP_VARIANTS[variant], "precision": "fp32"}, "cuda", True)
+        for i in range(8):
+            if i == 6:
+                jm.set_lr(step.opt, 2e-3)
+            step(images * (1 + i / 10), y)
+        step(images[:3], y[:3])  # another shape: the step as it is
+        step(images, y)  # and a replay again
+        learner, state = step.learner, step.opt.state.values()
+        runs.append([learner.oe.basis, learner.oe.steps, *learner.model.lora_parameters(),
+                     *[s[key] for s in state for key in ("exp_avg", "exp_avg_sq")]])
+    assert int(runs[0][1]) == (10 if variant != "plain" else 0)
+    for a, b in zip(*runs):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_compiled_blocks_give_the_same_step(monkeypatch):

@@ -58,8 +58,8 @@ class LoRALinear(nn.Linear):
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dt = torch.promote_types(self.A.dtype, torch.float32)
             a, m = self.A.to(dt), memory.to(dt)
-            a_in = (a.detach() @ m) @ m.T  # (r, d_in), constant
-            a_out = a - (a @ m) @ m.T      # (r, d_in), carries A's gradient
+            a_proj = (a @ m) @ m.T  # (r, d_in): A M M^T
+            a_in, a_out = a_proj.detach(), a - a_proj  # A_in held constant; A_out carries dL/dA
         xa = F.linear(x, torch.cat([a_out, a_in]).to(x.dtype))  # (..., 2r)
         # one matmul against [B | B.detach()] (d_out, 2r): x A_out^T B^T + x A_in^T B.detach()^T
         return out + self.scale * F.linear(xa, torch.cat([self.B, self.B.detach()], 1))
