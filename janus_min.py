@@ -1,24 +1,14 @@
-"""Janus-LoRA (ICML 2026), minimal: the method and the class-incremental task loop, then the program.
+"""Janus-LoRA (ICML 2026), minimal. A frozen ViT-B/16 learns a LoRA pair on K and V per task.
 
-A frozen ViT-B/16 learns one LoRA pair on K and V per task, merged into its weights at the task's end.
-Part 1 is what a reader of the paper reads, top-down: the configuration, the paper's method (Sec. 3)
-in the order of its update step, our --rectify update, the baselines, the task loop and `main`.
-Part 2, after the banner, is the program around it: flags, the run folder, results and plots, the
-analyses, the benchmark and --reproduce. Equations are numbered as in the paper's LaTeX source; the
+Part 1, what a reader of the paper reads top-down: the configuration, the paper's method (Sec. 3) in
+the order of its update step, our --rectify update, the baselines, the task loop, `main`. Part 2,
+after its banner: the program around it. Equations are numbered as in the paper's LaTeX source; the
 README maps the paper to this code and lists our readings where the paper is silent.
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
 ICML 2026; InfLoRA (Liang & Li, CVPR 2024) for the protocol; LoRA-Pro (Wang et al., ICLR 2025).
 """
-import argparse
 import copy
-import json
 import math
-import os
-import shlex
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -26,7 +16,6 @@ from dataclasses import asdict, dataclass, field, fields
 try:  # Ctrl-C while torch loads (seconds): one line and exit 130, not a traceback
     import torch
     import torch.nn.functional as F
-
     import data
     import vit
 except KeyboardInterrupt:
@@ -50,9 +39,9 @@ class Config:
     batch_size: int = _opt(None, "batch size (default: 128, Sec. 4.1; synthetic 16)")
     img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class")
-    input_range: str = _opt("unit", "unit: [0, 1], as the InfLoRA codebase; checkpoint: as the "
-                            "named --weights was trained; half: [-1, 1]; imagenet: its mean, std",
-                            choices=["unit", "checkpoint", "half", "imagenet"])
+    input_range: str = _opt("unit", "unit: [0, 1], as InfLoRA's code; checkpoint: as --weights was "
+                            "trained; half: [-1, 1]; imagenet", choices=["unit", "checkpoint",
+                                                                        *vit.MEAN_STD])
     # the backbone and its LoRA pairs (Sec. 3.1, 4.1)
     model: str = _opt("vit_base", "backbone (the paper's: ViT-B/16)", choices=list(vit.PRESETS))
     weights: str = _opt("in21k", "in21k (the paper's), sam, dino (Table 4), torchvision, none, "
@@ -65,8 +54,8 @@ class Config:
     schedule: str = _opt("inflora", "lr per epoch: inflora, the codebase's quarter cosine; "
                          "cosine, a half cosine to 0", choices=["inflora", "cosine"])
     k: int = _opt(50, "rank k of the OE basis V of each block and task (Sec. 4.1)")
-    oe_lr: float = _opt(1.0, "OE's step at a task's start; 1 is a step of subspace iteration (ours)")
-    oe_decay_steps: int = _opt(5, "OE's step halves after this many steps, then decays as 1/t (ours)")
+    oe_lr: float = _opt(1.0, "OE's step at a task's start; 1: a step of subspace iteration (ours)")
+    oe_decay_steps: int = _opt(5, "OE's step halves after this many, then decays as 1/t (ours)")
     delta: float = _opt(1e-4, "GR's ridge, relative to the mean eigenvalue of B^T B, A A^T (ours)")
     margin: float = _opt(0.3, "DML's margin m (Sec. 4.1)")
     lambda_dml: float = _opt(1.0, "DML's weight lambda (Eq. (12), Sec. 4.1)")
@@ -76,14 +65,12 @@ class Config:
     dml: bool = _opt(True, "the Decoupled Margin Loss (Table 1, the ablation)")
     rectify: str = _opt("grad", "grad: GR's gradients go to Adam (the paper's); update: GR acts on "
                         "Adam's step, split with the least norm (ours)", choices=["grad", "update"])
-    memory: str = _opt("oe", "the protected memory: oe, each task's OE basis joins it (ours); "
-                       "oe-rolling, one OE basis is it (the paper's words); gpm, GPM's pass after "
-                       "each task (Table 5)", choices=["oe", "oe-rolling", "gpm"])
-    gpm_threshold: list = _opt(None, "GPM's energy threshold, lamb lame: task t of T gets lamb + "
-                               "(lame - lamb) t / T (InfLoRA's; default 0.95 1.0, ImageNet-R 0.98 "
-                               "1.0)", nargs=2, type=float)
-    lora_a: str = _opt("trained", "each task's A: trained (the paper's), or designed off the memory "
-                       "and frozen (InfLoRA)", choices=["trained", "inflora"])
+    memory: str = _opt("oe", "protected memory: oe, each task's basis joins it (ours); oe-rolling, "
+                       "one (the paper's words); gpm", choices=["oe", "oe-rolling", "gpm"])
+    gpm_threshold: list = _opt(None, "GPM's energy share at task 1 and its limit (InfLoRA's; "
+                               "default 0.95 1, ImageNet-R 0.98 1)", nargs=2, type=float)
+    lora_a: str = _opt("trained", "each task's A: trained (the paper's), or designed off the "
+                       "memory and frozen (InfLoRA)", choices=["trained", "inflora"])
     method: str = _opt(None, "a method of the paper's tables, as a preset of flags put first "
                        "(README, 'The paper's comparisons')")
     # the run
@@ -91,25 +78,23 @@ class Config:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
                           choices=["bf16", "fp32"])
-    compile: str = _opt("auto", "on: torch.compile each ViT block and, on CUDA, replay each training "
-                        "step as one CUDA graph (ours, for speed); auto: on with CUDA, off on the "
-                        "CPU", choices=["auto", "on", "off"], nargs="?", const="on")
+    compile: str = _opt("auto", "on: each ViT block compiled, and on CUDA each step one CUDA graph "
+                        "(ours); auto: on with CUDA", choices=["auto", "on", "off"], nargs="?",
+                        const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
     resume: str = _opt(None, "continue the run in this folder after its last finished task")
     # output, and the other modes
     out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
     benchmark: bool = _opt(False, "time plain LoRA and Janus steps, then exit", action="store_true")
     steps: int = _opt(20, "--benchmark: timed rounds (after 5 warm-up steps)")
-    reproduce: str = _opt(None, "run every row of a table or figure of the paper into OUT/<row>/, "
-                          "then write OUT/table.md (README, 'Reproducing the paper')")
+    reproduce: str = _opt(None, "run every row of a table or figure of the paper, then write "
+                          "OUT/table.md (README, 'Reproducing the paper')")
     row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
     dry_run: bool = _opt(False, "with --reproduce: list the rows and their commands only",
                          action="store_true")
 
 
-# ==================================================================================================
-# The paper's method (Sec. 3), in the order of "The Integrated Janus-LoRA Update Process"
-# ==================================================================================================
+# ==== The paper's method (Sec. 3), in the order of "The Integrated Janus-LoRA Update Process" ====
 def train_step(learner, opt, images, y, cfg):
     """One training step, in the paper's order; y: labels within the current task. Returns the loss
     and the number right, as tensors (no host sync)."""
@@ -176,12 +161,11 @@ class OnlineSubspace:
 
     def fresh_basis(self, memory, device=None):
         """A random orthonormal V off the memory (None: empty); a full memory leaves no room."""
-        shape = () if self.blocks is None else (self.blocks,)
         M = _stacked(memory)
         k = self.k if M is None else min(self.k, self.dim - M.shape[-1])
         # drawn on the CPU: a run's random numbers must not depend on the device
-        V = torch.randn(*shape, self.dim, k).to(device if M is None else M.device)
-        return torch.linalg.qr(_off(V, M)).Q
+        V = torch.randn(*[self.blocks] * bool(self.blocks), self.dim, k)
+        return torch.linalg.qr(_off(V.to(device if M is None else M.device), M)).Q
 
     @torch.no_grad()
     def update(self, X, memory=None):
@@ -251,11 +235,6 @@ def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
     return dA.to(dtype), dB.to(dtype)
 
 
-def rectify(G_safe, A, B, scale, delta=1e-4):
-    """Reference form of Eqs. (6)-(7) the tests use, for a dense G_safe (d_out, d_in)."""
-    return rectify_factors(B.mT @ G_safe, G_safe @ A.mT, A, B, scale, delta)
-
-
 # ---- Small linear algebra that OE and GR share ---------------------------------------------------
 def _off(V, M):
     """(I - M M^T) V: V's columns without their part in span(M); M None: V itself."""
@@ -263,8 +242,12 @@ def _off(V, M):
 
 
 def _stacked(memory):
-    """A memory given per block (a list of (D, m)) as one (L, D, m) tensor; a tensor or None as is."""
-    return torch.stack(memory) if isinstance(memory, list) else memory
+    """Memories per block, (D, m_i), as one (L, D, m): zero columns, which change no projection, pad
+    the narrower ones (GPM's); a tensor or None as it is."""
+    if not isinstance(memory, list):
+        return memory
+    m = max(M.shape[1] for M in memory)
+    return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memory])
 
 
 def _gram(X):
@@ -281,9 +264,8 @@ def _ridge(S, delta):
 
 
 def _qr_q(V):
-    """Q of V = QR (..., n, k) with R's diagonal positive: R^T is the Cholesky factor of V^T V, in
-    float64 (V^T V >= I here, as OE's step is orthogonal to V); a GPU does this far faster than a
-    batched Householder QR (2.5 ms of an H100 step)."""
+    """Q of V = QR (..., n, k), R's diagonal > 0: R^T is V^T V's Cholesky factor, in float64 (V^T V
+    >= I, OE's step being orthogonal to V); on a GPU, unlike Householder QR, it takes no time."""
     R = torch.linalg.cholesky_ex(_gram(V)).L.mT
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
 
@@ -296,9 +278,7 @@ def _spd_solve(S, rhs):
     return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
 
-# ==================================================================================================
-# Ours: --rectify update, GR on the step Adam proposes (README, "--rectify grad and update")
-# ==================================================================================================
+# ==== Ours: --rectify update, GR on the step Adam proposes (README, "--rectify grad and update") ==
 def rectified_adam_step_(opt, layers, memory, delta):
     """Step (5) under --rectify update: Adam proposes a step, which GR rectifies."""
     before = [(layer.A.detach().clone(), layer.B.detach().clone()) for layer in layers]
@@ -315,7 +295,7 @@ def rectify_updates_(layers, before, memories, delta):
     s = layers[0].scale
     dA = torch.stack([layer.A for layer in layers]) - A0  # Adam's proposed step
     dB = torch.stack([layer.B for layer in layers]) - B0
-    M = _padded(memories)
+    M = _stacked(memories)
     # B^T dW_safe and dW_safe A^T of dW = s (B dA + dB A), with r-wide products only
     BtW = safe_gradient(s * ((B0.mT @ B0) @ dA + (B0.mT @ dB) @ A0), M)
     Ap = safe_gradient(A0, M).mT  # (I - M M^T) A^T  (L, d_in, r)
@@ -344,25 +324,13 @@ def least_norm_split(dA, dB, A, B):
     return (dA + C @ A).to(dtype), (dB - B @ C).to(dtype)
 
 
-def _padded(memories):
-    """Memories of several widths as one (L, D, m) tensor: zero columns pad the narrower ones,
-    which changes no projection."""
-    m = max(M.shape[1] for M in memories)
-    return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memories])
-
-
-# ==================================================================================================
-# The paper's comparisons: GPM's memory (LoRA-GPM, Table 5) and InfLoRA's A (Tables 2, 3), as the
-# InfLoRA codebase computes them, but where the README's "The paper's comparisons" says otherwise
-# ==================================================================================================
+# ==== The comparisons: GPM's memory (LoRA-GPM) and InfLoRA's A, as InfLoRA's code computes them ===
 @torch.no_grad()
 def kv_covariance(model, images, cfg, memory=None):
     """Each block's uncentred K/V-input covariance (L, D, D) over every token of the images."""
     C, n = 0.0, 0
-    for images, _ in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
-        with autocast(torch.device(cfg.device), cfg):
-            kv_inputs = model.encode(images.to(cfg.device), memory)[1]  # (B, N, D) per block
-        X = [x.float().flatten(0, 1) for x in kv_inputs]
+    for _, kv_inputs, _ in batches(model, images, cfg, memory):
+        X = [x.float().flatten(0, 1) for x in kv_inputs]  # (B * N, D) per block
         C = C + torch.stack([x.T @ x for x in X])
         n += X[0].shape[0]
     return C / n
@@ -381,13 +349,6 @@ def gpm_extend(M, C, threshold):
     return torch.cat([M, U[:, :r].to(M.dtype)], dim=1)
 
 
-def gpm_threshold(cfg, t):
-    """InfLoRA's schedule of GPM's threshold: lamb at the first task (t = 0), rising by
-    (lame - lamb) / T a task; lame itself is never reached."""
-    lamb, lame = cfg.gpm_threshold
-    return lamb + (lame - lamb) * t / cfg.tasks
-
-
 def inflora_a(C, M, rank):
     """InfLoRA's A (r, D): the top-r left singular vectors of (I - M M^T) C, over sqrt(3) as in its
     code (Liang & Li, CVPR 2024); it lies off span(M) and stays frozen."""
@@ -396,10 +357,7 @@ def inflora_a(C, M, rank):
     return (U.T / math.sqrt(3)).to(M.dtype)
 
 
-# ==================================================================================================
-# The class-incremental task loop: a Learner goes through the tasks, each started, trained, ended
-# and evaluated in turn (the protocol of the InfLoRA codebase; README, "Where the paper is silent")
-# ==================================================================================================
+# ==== The task loop: a Learner takes each task in turn (InfLoRA's protocol; README, "Protocol") ==
 @dataclass
 class Learner:
     """One seed's run: what a task leaves to the next, and what was measured so far."""
@@ -418,30 +376,20 @@ class Learner:
     analyses: dict = field(default_factory=dict)  # the paper's analyses (Part 2's record)
 
 
-def build_model(cfg):
-    """The backbone with its LoRA layers, loaded from cfg.weights, in eval mode for good."""
-    torch.manual_seed(0)  # with --weights none, a random backbone plays the checkpoint: one for all
-    model = vit.PRESETS[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size,
-                                   lora_rank=cfg.rank, lora_scale=cfg.lora_scale)
-    vit.load_pretrained(model, cfg.weights)
-    return model.eval()  # the ViT has no dropout, and training never switches modes
-
-
 def start_learner(cfg, seed, base_model):
     """A fresh Learner for `seed`: the backbone copied (never changed), fresh LoRA pairs and OE."""
     torch.manual_seed(seed)  # the only generator a run draws from (the loaders seed their own)
-    device = torch.device(cfg.device)
-    model = copy.deepcopy(base_model).to(device)
+    model = copy.deepcopy(base_model).to(cfg.device)
     for _, _, layer in model.lora_layers():
         layer.reset_lora_()  # the first task's A comes from this seed too
-    if cfg.compile == "on":  # a block meets new shapes as the memory widens: more than 8 variants
-        torch._dynamo.config.recompile_limit = 64
-    for block in model.blocks if cfg.compile == "on" else []:
-        block.compile()  # in place: the parameter names, and so the checkpoints, stay the same
+    if cfg.compile == "on":  # in place: the parameter names, and so the checkpoints, stay the same
+        torch._dynamo.config.recompile_limit = 64  # a block meets new shapes as the memory grows
+        for block in model.blocks:
+            block.compile()
     L, D = len(model.blocks), model.embed_dim
-    oe = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, device, blocks=L)
-    empty = [torch.zeros(D, 0, device=device)] * L  # task 1 has nothing to protect
-    return Learner(seed, model, oe, empty, torch.nn.ModuleList(), torch.zeros(0, D, device=device))
+    oe = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device, blocks=L)
+    empty = [torch.zeros(D, 0, device=cfg.device)] * L  # task 1 has nothing to protect
+    return Learner(seed, model, oe, empty, torch.nn.ModuleList(), torch.zeros(0, D).to(cfg.device))
 
 
 def start_task(learner, t, tasks, splits, cfg):
@@ -474,7 +422,8 @@ def train_task(learner, t, tasks, splits, cfg, clock):
     learner.throughput.append([])
     first_loss = None
     for epoch in range(cfg.epochs):
-        set_lr(opt, cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule))
+        for group in opt.param_groups:  # in place: a CUDA graph replays the lr tensor
+            group["lr"].fill_(cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule))
         start, loss_sum, correct, seen = time.time(), 0.0, 0, 0
         for step, (images, y) in enumerate(loader, 1):
             images, y = images.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
@@ -503,27 +452,27 @@ def train_task(learner, t, tasks, splits, cfg, clock):
         clock.show(line)
 
 
+def lr_factor(epoch, epochs, schedule):
+    """The lr of a task's epoch, as a factor of --lr: InfLoRA's CosineSchedule as its code steps
+    it, cos(99 pi e / (200 (K - 1))) for e = epoch - 1 after an epoch at 1; or a half cosine."""
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+    if epoch == 0 or epochs == 1:  # the codebase divides by zero at K = 1; one epoch at lr
+        return 1.0
+    return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
+
+
 def optimizer(params, cfg):
-    """Adam (betas 0.9, 0.999, as InfLoRA), and the step to run: train_step, or on CUDA with
-    --compile on its CUDA graph, for which Adam keeps its lr and step count as tensors."""
-    graphed = cfg.compile == "on" and cfg.device.startswith("cuda")
-    lr = torch.tensor(cfg.lr, device=cfg.device) if graphed else cfg.lr
-    opt = torch.optim.Adam(params, lr=lr, capturable=graphed)
-    return opt, StepGraph(train_step) if graphed else train_step
-
-
-def set_lr(opt, lr):
-    for group in opt.param_groups:
-        if torch.is_tensor(group["lr"]):  # in place: a CUDA graph replays this tensor
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
+    """Adam (betas 0.9, 0.999, as InfLoRA's) with its lr a tensor, and the step to run: train_step,
+    or with --compile on CUDA its CUDA graph (ours, for speed)."""
+    cuda = cfg.device.startswith("cuda")
+    opt = torch.optim.Adam(params, lr=torch.tensor(cfg.lr, device=cfg.device), capturable=cuda)
+    return opt, StepGraph(train_step) if cuda and cfg.compile == "on" else train_step
 
 
 class StepGraph:
-    """Ours, for speed: after `warmup` ordinary steps, train_step is recorded as one CUDA graph and
-    replayed for each batch of that shape, so that the host does nothing per step; a batch of
-    another shape (an epoch's last) runs the step as it is. A task records its own graph."""
+    """Ours, for speed: after `warmup` ordinary steps, a task's train_step is recorded as one CUDA
+    graph, replayed for each batch of that shape (the host does nothing per step)."""
 
     def __init__(self, step, warmup=3):
         self.step, self.warmup, self.graph = step, warmup, None
@@ -534,29 +483,19 @@ class StepGraph:
             self.y.copy_(y)
             self.graph.replay()
             return self.out
-        if self.graph is not None or self.warmup > 0:  # on a side stream, as CUDA graphs want
-            self.warmup -= 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                out = self.step(learner, opt, images, y, cfg)
-            torch.cuda.current_stream().wait_stream(side)
-            return out
-        self.images, self.y = images.clone(), y.clone()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # recorded, not run: the replay below runs it
-            self.out = self.step(learner, opt, self.images, self.y, cfg)
-        return self(learner, opt, images, y, cfg)
-
-
-def lr_factor(epoch, epochs, schedule):
-    """The lr of a task's epoch, as a factor of --lr: InfLoRA's CosineSchedule as its code steps
-    it, cos(99 pi e / (200 (K - 1))) for e = epoch - 1 after an epoch at 1; or a half cosine."""
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
-    if epoch == 0 or epochs == 1:  # the codebase divides by zero at K = 1; one epoch at lr
-        return 1.0
-    return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
+        if self.graph is None and self.warmup == 0:  # recorded, not run: the replay runs it
+            self.images, self.y = images.clone(), y.clone()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.step(learner, opt, self.images, self.y, cfg)
+            return self(learner, opt, images, y, cfg)
+        self.warmup -= 1
+        side = torch.cuda.Stream()  # warm-up, or another shape: on a side stream, as CUDA graphs
+        side.wait_stream(torch.cuda.current_stream())  # want (their recording runs on one too)
+        with torch.cuda.stream(side):
+            out = self.step(learner, opt, images, y, cfg)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
 
 
 @torch.no_grad()
@@ -573,7 +512,8 @@ def end_task(learner, t, tasks, splits, cfg, clock):
         learner.memory = list(learner.oe.basis.clone())
     elif cfg.oe:  # GPM's pass over the task's images, timed with the task: OE exists to avoid it
         C = kv_covariance(learner.model, images, cfg, memory)
-        threshold = gpm_threshold(cfg, t)
+        first, last = cfg.gpm_threshold  # InfLoRA's schedule: t / T of the way, t from 0
+        threshold = first + (last - first) * t / cfg.tasks
         learner.memory = [gpm_extend(M, C_i, threshold) for M, C_i in zip(learner.memory, C)]
     layers = learner.model.lora_layers()
     factors = [(layer.A.detach().clone(), layer.B.detach().clone()) for _, _, layer in layers]
@@ -591,9 +531,9 @@ def class_prototypes(z, y, classes):
 
 @torch.no_grad()
 def evaluate(model, heads, splits, tasks, cfg, clock=None):
-    """Row t of the accuracy matrices, per seen task: task-agnostic (the paper's: all seen heads, one
-    argmax, no task id) and task-aware (ours: the true task's head only); and the accuracy over
-    all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
+    """Row t of the accuracy matrices, per seen task: task-agnostic (the paper's: all seen heads,
+    one argmax, no task id) and task-aware (ours: the true task's head only); and the accuracy
+    over all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
     z, y = features(model, data.subset(splits.test, seen.tolist()), cfg, clock, "evaluation")
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
@@ -611,15 +551,21 @@ def evaluate(model, heads, splits, tasks, cfg, clock=None):
 @torch.no_grad()
 def features(model, images, cfg, clock=None, what="", memory=None):
     """z (n, D) and labels y (n,) of the images, in order (test transform)."""
-    zs, ys, done = [], [], 0
+    zs, ys = [], []
+    for z, _, y in batches(model, images, cfg, memory):
+        zs.append(z)
+        ys.append(y)
+        if clock and clock.passed("eval", len(y)):
+            clock.show(f"{what}: {sum(map(len, ys))}/{len(images)} images")
+    return torch.cat(zs), torch.cat(ys)
+
+
+def batches(model, images, cfg, memory=None):
+    """(z, K/V inputs, y) of each batch of the images, in order, under the run's autocast."""
     for x, y in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
         with autocast(torch.device(cfg.device), cfg):
-            zs.append(model.encode(x.to(cfg.device), memory)[0].float())
-        ys.append(y.to(cfg.device))
-        done += len(y)
-        if clock and clock.passed("eval", len(y)):
-            clock.show(f"{what}: {done}/{len(images)} images")
-    return torch.cat(zs), torch.cat(ys)
+            z, kv_inputs = model.encode(x.to(cfg.device), memory)
+        yield z.float(), kv_inputs, y.to(cfg.device)
 
 
 def autocast(device, cfg):
@@ -629,29 +575,27 @@ def autocast(device, cfg):
 
 
 class Clock:
-    """Progress lines: one when 30 s have passed since the last, checked after each batch (a CPU
-    ViT-B step takes 90 s: then one a step), with the run's ETA from the images still to train and
-    to evaluate, each at its measured rate (evaluation, untimed, at a third of training's)."""
+    """Progress: a line when 30 s have passed since the last, checked after each batch, with the
+    ETA of the images still to train and to evaluate, each at its rate (untimed: a third)."""
 
     def __init__(self, train_images, eval_images, every=30.0):
         self.left = {"train": train_images, "eval": eval_images}
-        self.images = {"train": 0, "eval": 0}
+        self.done = {"train": 0, "eval": 0}
         self.seconds = {"train": 0.0, "eval": 0.0}
-        self.every = every
-        self.shown = self.ticked = time.time()
+        self.every, self.shown, self.ticked = every, time.time(), time.time()
 
     def passed(self, kind, images):
         """Count a batch done; True when a progress line is due."""
         now = time.time()
         self.seconds[kind] += now - self.ticked
         self.ticked = now
-        self.images[kind] += images
+        self.done[kind] += images
         self.left[kind] -= images
         return now - self.shown >= self.every
 
     def eta(self):
-        train = self.seconds["train"] / max(self.images["train"], 1)  # seconds an image
-        evaluate = self.seconds["eval"] / self.images["eval"] if self.images["eval"] else train / 3
+        train = self.seconds["train"] / max(self.done["train"], 1)  # seconds an image
+        evaluate = self.seconds["eval"] / self.done["eval"] if self.done["eval"] else train / 3
         return self.left["train"] * train + self.left["eval"] * evaluate
 
     def show(self, line):
@@ -674,8 +618,8 @@ def run_seed(learner, splits, cfg, clock, record):
         learner.acc.append(acc)
         learner.aware.append(aware)
         learner.sample_acc.append(sample)
-        print(f"task {t + 1} accuracy per task: " + " ".join(f"{a:.2f}" for a in acc) +
-              f"  | mean {sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
+        print(f"task {t + 1} accuracy per task: {' '.join(f'{a:.2f}' for a in acc)}  | mean "
+              f"{sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
               f"{sum(aware) / len(aware):.2f}  | {learner.task_seconds[-1]:.1f} s", flush=True)
         record(learner, t, factors, memory)
     return learner
@@ -711,6 +655,15 @@ def main(argv=None):
 # checkpoint, lock, signals), results and plots, the analyses' recording, the benchmark, and
 # --reproduce with the paper's numbers. Nothing above needs it to be understood.
 # ██████████████████████████████████████████████████████████████████████████████████████████████████
+import argparse  # noqa: E402 -- the program's own tools, which Part 1 does not use
+import json  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+
 
 # ---- The flags: the methods as presets, --help's groups, parsing and checks ----------------------
 # The methods of the paper's comparisons as flag sets: --method NAME puts them before the others.
@@ -812,8 +765,8 @@ def check_config(cfg):
     cfg.gpm_threshold = list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset, (0.95, 1.0)))
     cfg.seeds = list(cfg.seeds)  # one form (a typed --seeds is a list), for --resume's comparison
     if cfg.workers is None:  # the cores this process may use (sched_getaffinity: not everywhere)
-        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count())
-        cfg.workers = len(cores)
+        affinity = getattr(os, "sched_getaffinity", None)
+        cfg.workers = len(affinity(0)) if affinity else os.cpu_count()
     floats = [f.name for f in fields(Config) if f.type is float]
     _require(all(math.isfinite(getattr(cfg, n)) for n in floats),
              ", ".join(map(_flag, floats)) + " must be finite numbers")
@@ -1055,7 +1008,8 @@ class Run:
         saved = os.path.exists(os.path.join(self.out, "checkpoint.pt"))
         resume = f"continue with: python janus_min.py --resume {_q(self.out)}"
         if kind in (KeyboardInterrupt, Stopped):
-            name, self.exit_code = ("Ctrl-C", 130) if kind is KeyboardInterrupt else ("SIGTERM", 143)
+            name = "Ctrl-C" if kind is KeyboardInterrupt else "SIGTERM"
+            self.exit_code = 130 if kind is KeyboardInterrupt else 143
             print(f"\ninterrupted ({name}): " + (
                 f"{_q(self.out)}/checkpoint.pt holds the tasks finished so far; {resume}" if saved
                 else "no task had finished, so nothing was saved; start the run again"), flush=True)
@@ -1103,9 +1057,20 @@ class Run:
         print(f"wrote {_q(os.path.join(self.out, 'results.json'))}")
 
 
+def build_model(cfg):
+    """The backbone with its LoRA layers, loaded from cfg.weights, in eval mode for good."""
+    torch.manual_seed(0)  # with --weights none, a random backbone plays the checkpoint: one for all
+    model = vit.PRESETS[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size,
+                                   lora_rank=cfg.rank, lora_scale=cfg.lora_scale)
+    vit.load_pretrained(model, cfg.weights)
+    return model.eval()  # the ViT has no dropout, and training never switches modes
+
+
 def load_data_and_model(cfg):
     """The data set's splits in the input range asked for, and the backbone (copied per seed)."""
-    scale = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else cfg.input_range
+    scale = cfg.input_range
+    if scale == "checkpoint":
+        scale = vit.PRETRAINED_INPUT[cfg.weights]
     mean_std = vit.MEAN_STD.get(scale, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
     splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, *mean_std, seed=0,
                                limit_per_class=cfg.limit_per_class)
@@ -1320,10 +1285,8 @@ class Probe:
 
     @torch.no_grad()
     def read(self, model, images, cfg):
-        for x, y in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
-            with autocast(torch.device(cfg.device), cfg):
-                z, kv_inputs = model.encode(x.to(cfg.device))
-            self.add(z.float(), kv_inputs, y.to(cfg.device))
+        for z, kv_inputs, y in batches(model, images, cfg):
+            self.add(z, kv_inputs, y)
 
     def add(self, z, kv_inputs, y):
         now = self.current[y]  # (B,) bool: a sample of the current task
@@ -1391,7 +1354,8 @@ def plot_trajectory(plt, results, path):
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for key, style, label in (("acc_matrix", "o-", "task-agnostic (the paper's metric)"),
                               ("task_aware", "s--", "task-aware (ours: the true task's head)")):
-        matrices = [r[key] if key == "acc_matrix" else r[key]["acc_matrix"] for r in results["runs"]]
+        runs = results["runs"]
+        matrices = [r[key] if key == "acc_matrix" else r[key]["acc_matrix"] for r in runs]
         curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(matrix)]
                                for matrix in matrices])
         x = range(1, curves.shape[1] + 1)
