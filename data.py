@@ -371,8 +371,8 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
     else:
         root = Path(data_dir).expanduser().resolve()
         if root.is_file():
-            raise DataError(f'--data-dir {quoted(root)} is a file: pass the folder that holds (or will '
-                            f'hold) the files of {name}.')
+            raise DataError(f'--data-dir {quoted(root)} is a file: pass the folder that holds (or '
+                            f'will hold) the files of {name}.')
         ((train, train_y), (test, test_y)), names = _LOADERS[name](root, seed, download)
         found, expected = len(set(train_y) | set(test_y)), DATASETS[name]['num_classes']
         if found != expected or len(names) != expected:

@@ -1450,16 +1450,24 @@ def benchmark(cfg):
             step(images, y)
             _sync(device)
             ms[name].append(1e3 * (time.perf_counter() - start))
-    report = {"device": torch.cuda.get_device_name(device) if cuda else
+    return bench_report(cfg, ms, peaks, m)
+
+
+def bench_report(cfg, ms, peaks, m):
+    """--benchmark's table and benchmark.json: per variant, the median step, images/s, the peak
+    memory, and the median and IQR of its per-round ratio to plain LoRA (drift cancels)."""
+    cuda = cfg.device.startswith("cuda")
+    report = {"device": torch.cuda.get_device_name(cfg.device) if cuda else
               f"cpu ({torch.get_num_threads()} threads)", "model": cfg.model,
               "batch_size": cfg.batch_size, "img_size": cfg.img_size, "memory_columns": m,
               "rounds": cfg.steps, "precision": cfg.precision, "compile": cfg.compile,
               "variants": {}}
     print(f"{report['device']}, {cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory "
-          f"{m} columns/block, {cfg.steps} interleaved rounds\n{'variant':14s} {'ms/step':>9s} "
-          f"{'images/s':>9s} {'peak MiB':>9s} {'x plain (median, IQR)':>24s}")
+          f"{m} columns/block, {cfg.precision}, --compile {cfg.compile}, {cfg.steps} interleaved "
+          f"rounds\n{'variant':14s} {'ms/step':>9s} {'images/s':>9s} {'peak MiB':>9s} "
+          f"{'x plain (median, IQR)':>24s}")
     for name, t in ms.items():
-        ratios = sorted(a / b for a, b in zip(t, ms["plain"]))  # per round: drift cancels
+        ratios = sorted(a / b for a, b in zip(t, ms["plain"]))
         iqr = [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]]
         step_ms = sorted(t)[len(t) // 2]
         report["variants"][name] = {"ms_per_step": step_ms, "images_per_s": 1e3 * cfg.batch_size /

@@ -302,6 +302,23 @@ def load_pretrained(model, source='in21k', verbose=True):
     if layout == 'torchvision':  # the released file predates torchvision's MLP renaming (PR 6053)
         sd = {k.replace('mlp.linear_1.', 'mlp.0.').replace('mlp.linear_2.', 'mlp.3.'): v
               for k, v in sd.items()}
+    target, ready = _fit(model, sd, layout, path, report)
+    with torch.no_grad():  # state_dict() values are detached views of the parameters
+        for ours, t in ready.items():
+            target[ours].copy_(t)
+    report.update(path=path, format=layout, loaded=len(ready))
+    if verbose:
+        resized = f', position embedding resized (bicubic) {report["resized"]}'
+        print(f'[vit] {path}: {report["container"]} file, {layout} key layout, {len(ready)} '
+              f'tensors loaded{resized if report["resized"] else ""}')
+        print(f'[vit] ignored checkpoint keys: {", ".join(report["ignored"]) or "none"}')
+    return report
+
+
+def _fit(model, sd, layout, path, report):
+    """(the model's pretrained tensors, {model key: checkpoint tensor in our layout}): every model
+    tensor filled with its exact shape, every checkpoint key used or ignored, every value finite,
+    or a CheckpointError that names the keys."""
     target = {k: v for k, v in model.state_dict().items() if k.rsplit('.', 1)[-1] not in ('A', 'B')}
     theirs = {k: _their_key(layout, k) for k in target}  # model key -> checkpoint key
     report['ignored'] = sorted(k for k in sd if k.startswith(_IGNORED[layout]))
@@ -330,13 +347,4 @@ def load_pretrained(model, source='in21k', verbose=True):
         raise CheckpointError(f'{path}: {len(bad)} tensor(s) hold NaN or inf values '
                               f'({", ".join(bad[:4])}): the file is damaged; download it again or '
                               'pass another file with --weights PATH.')
-    with torch.no_grad():  # state_dict() values are detached views of the parameters
-        for ours, t in ready.items():
-            target[ours].copy_(t)
-    report.update(path=path, format=layout, loaded=len(ready))
-    if verbose:
-        resized = f', position embedding resized (bicubic) {report["resized"]}'
-        print(f'[vit] {path}: {report["container"]} file, {layout} key layout, {len(ready)} '
-              f'tensors loaded{resized if report["resized"] else ""}')
-        print(f'[vit] ignored checkpoint keys: {", ".join(report["ignored"]) or "none"}')
-    return report
+    return target, ready
