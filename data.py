@@ -20,6 +20,7 @@ import shutil
 import struct
 import tarfile
 from collections import namedtuple
+from functools import partial
 from pathlib import Path
 from urllib.error import URLError
 
@@ -66,8 +67,8 @@ class _Images(Dataset):
     batched: the same transform as a `Batched` for the device pipeline, None for file-based sets."""
 
     def __init__(self, source, targets, transform, batched=None):
-        self.source, self.targets, self.transform = source, list(targets), transform
-        self.batched = batched
+        self.source, self.targets = source, list(targets)
+        self.transform, self.batched = transform, batched
 
     def __len__(self):
         return len(self.targets)
@@ -108,8 +109,9 @@ def _cifar100(root, seed, download):
             raise DataError(f'{archive} is incomplete or corrupt (its MD5 is not '
                             f'{CIFAR100.tgz_md5}): delete it and fetch it again from '
                             f'{CIFAR100.url}.')  # else torchvision would download it again
-        _fetch(lambda: CIFAR100(str(root), download=True), f'CIFAR-100 ({CIFAR100.base_folder}/ or '
-               f'{CIFAR100.filename})', root, CIFAR100.url, download or archive.is_file())
+        _fetch(partial(CIFAR100, str(root), download=True),
+               f'CIFAR-100 ({CIFAR100.base_folder}/ or {CIFAR100.filename})', root, CIFAR100.url,
+               download or archive.is_file())
     return _read_cifar100(folder)
 
 
@@ -136,10 +138,10 @@ def _read_cifar100(folder):
 
 def _ls(folder, dirs=False):
     """Sorted names of folder's subfolders (dirs) or image files, hidden ones left out."""
-    keep = (lambda p: p.is_dir()) if dirs else (lambda p: p.name.lower().endswith(IMG_EXTENSIONS))
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if keep(p) and p.name[0] != '.')
+    return sorted(p.name for p in folder.iterdir() if p.name[0] != '.' and
+                  (p.is_dir() if dirs else p.name.lower().endswith(IMG_EXTENSIONS)))
 
 
 def _folder(root, wnids):
@@ -151,7 +153,7 @@ def _folder(root, wnids):
 def _unpack_imagenet_r(root, download):
     folder, tar = root / 'imagenet-r', root / 'imagenet-r.tar'
     if not folder.is_dir() and not tar.is_file():
-        _fetch(lambda: download_url(IMAGENET_R_URL, str(root)),
+        _fetch(partial(download_url, IMAGENET_R_URL, str(root)),
                'ImageNet-R (imagenet-r/ or imagenet-r.tar)', root, IMAGENET_R_URL, download)
     if not folder.is_dir():  # unpacked beside it, renamed when whole: a bad tar leaves no half
         tmp = root / f'.imagenet-r.{os.getpid()}'  # one per process: two runs never share it
@@ -284,7 +286,7 @@ def _fashion_mnist(root, seed, download):
     files = _idx_files(root) or _idx_files(raw)
     if files is None:
         first = next(f for f in FASHION_FILES if not (root / f).is_file())
-        _fetch(lambda: FashionMNIST(str(root), download=True), f'Fashion-MNIST file {first}', root,
+        _fetch(partial(FashionMNIST, str(root), download=True), f'Fashion-MNIST file {first}', root,
                f'the four idx .gz files from {FashionMNIST.mirrors[0]}', download,
                " (or install Debian's dataset-fashion-mnist and pass --data-dir "
                "/usr/share/datasets/fashion-mnist)", made=('FashionMNIST/raw', 'FashionMNIST'))
@@ -306,7 +308,8 @@ def _fashion_mnist(root, seed, download):
 def _synthetic(img_size, seed, per_class=(24, 8)):
     """Per class a smooth random colour pattern; per image a shift of up to one 16 px patch and
     Gaussian noise: classes easy to tell apart, no two images equal."""
-    classes, gen = DATASETS['synthetic']['num_classes'], torch.Generator().manual_seed(seed)
+    classes = DATASETS['synthetic']['num_classes']
+    gen = torch.Generator().manual_seed(seed)
     coarse = torch.rand(classes, 3, 4, 4, generator=gen)  # (C, 3, 4, 4), upsampled: smooth
     templates = F.interpolate(coarse, size=(img_size, img_size), mode='bilinear')  # (C, 3, H, W)
     shift, parts = max(1, img_size // 16), []
@@ -410,7 +413,8 @@ class _SeededSampler(Sampler):
     augmentation. Batches and augmentations then depend on the seed alone, not on --workers."""
 
     def __init__(self, n, shuffle, seed):
-        self.n, self.shuffle, self.gen = n, shuffle, torch.Generator().manual_seed(seed)
+        self.n, self.shuffle = n, shuffle
+        self.gen = torch.Generator().manual_seed(seed)
 
     def __len__(self):
         return self.n
@@ -512,8 +516,9 @@ class DeviceLoader:
             src = torch.tensor(src).reshape(*src.shape[:3], -1).permute(0, 3, 1, 2)  # a copy
         self.images = src.contiguous().to(device)  # (N, C, H, W) uint8, C = 1 or 3
         self.labels = torch.tensor(ds.targets, device=device)  # (N,)
-        self.spec, self.batch_size, self.train = base.batched, batch_size, train
-        self.gen, self.device = torch.Generator().manual_seed(seed), device
+        self.spec = base.batched
+        self.batch_size, self.train, self.device = batch_size, train, device
+        self.gen = torch.Generator().manual_seed(seed)
         self.mean, self.std = (torch.tensor(v, device=device).view(-1, 1, 1)
                                for v in (self.spec.mean, self.spec.std))
 

@@ -1,12 +1,9 @@
-"""Janus-LoRA (ICML 2026), minimal. A frozen ViT-B/16 learns a LoRA pair on K and V per task.
-
-Part 1, what a reader of the paper reads top-down: the configuration, the paper's method (Sec. 3) in
-the order of its update step, our --rectify update, the baselines, the task loop, `main`. Part 2,
-after its banner: the program around it. Equations are numbered as in the paper's LaTeX source; the
-README maps the paper to this code and lists our readings where the paper is silent.
-References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
-ICML 2026; InfLoRA (Liang & Li, CVPR 2024) for the protocol; LoRA-Pro (Wang et al., ICLR 2025).
-"""
+"""Janus-LoRA (ICML 2026), minimal. Part 1, read top-down beside the paper: the configuration, the
+method (Sec. 3) in the order of its update step, our --rectify update, the baselines, the task loop,
+`main`. Part 2, after its banner: the program around it. Equations are numbered as in the paper's
+LaTeX source; the README lists our readings where the paper is silent. References: C. Chen et al.,
+"JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning", ICML 2026; InfLoRA (Liang & Li,
+CVPR 2024), whose protocol the paper follows; LoRA-Pro (Wang et al., ICLR 2025)."""
 import copy
 import math
 import sys
@@ -40,12 +37,10 @@ class Config:
     img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class")
     input_range: str = _opt("unit", "unit: [0, 1], as InfLoRA's code; checkpoint: as --weights was "
-                            "trained; half: [-1, 1]; imagenet", choices=["unit", "checkpoint",
-                                                                        *vit.MEAN_STD])
+                            "trained", choices=["unit", "checkpoint", "half", "imagenet"])
     # the backbone and its LoRA pairs (Sec. 3.1, 4.1)
     model: str = _opt("vit_base", "backbone (the paper's: ViT-B/16)", choices=list(vit.PRESETS))
-    weights: str = _opt("in21k", "in21k (the paper's), sam, dino (Table 4), torchvision, none, "
-                        "or a checkpoint file")
+    weights: str = _opt("in21k", "in21k (paper), sam, dino (Table 4), torchvision, none, or a file")
     patch_size: int = _opt(16, "patch size (the paper's: 16; another needs --weights none)")
     rank: int = _opt(10, "LoRA rank r on K and V (Sec. 4.1)")
     lora_scale: float = _opt(1.0, "LoRA scale s (ours: the paper does not give it)")
@@ -78,9 +73,8 @@ class Config:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
                           choices=["bf16", "fp32"])
-    compile: str = _opt("auto", "on: each ViT block compiled, and on CUDA each step one CUDA graph "
-                        "(ours); auto: on with CUDA", choices=["auto", "on", "off"], nargs="?",
-                        const="on")
+    compile: str = _opt("auto", "on: compiled blocks, on CUDA a CUDA graph a step (ours); auto: on "
+                        "with CUDA", choices=["auto", "on", "off"], nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
     resume: str = _opt(None, "continue the run in this folder after its last finished task")
     # output, and the other modes
@@ -90,20 +84,22 @@ class Config:
     reproduce: str = _opt(None, "run every row of a table or figure of the paper, then write "
                           "OUT/table.md (README, 'Reproducing the paper')")
     row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
-    dry_run: bool = _opt(False, "with --reproduce: list the rows and their commands only",
-                         action="store_true")
+    dry_run: bool = _opt(False, "with --reproduce: list the commands only", action="store_true")
 
 
 # ==== The paper's method (Sec. 3), in the order of "The Integrated Janus-LoRA Update Process" ====
 def train_step(learner, opt, images, y, cfg):
-    """One training step, in the paper's order; y: labels within the current task. Returns the loss
-    and the number right, as tensors (no host sync)."""
+    """One training step, steps (1)-(5) of "The Integrated Janus-LoRA Update Process". learner: the
+    ViT with its LoRA pairs, the task's head (heads[-1]), OE (oe), each block's protected memory M
+    (memory: the finished tasks' OE bases, which end_task merges; none in task 1), DML's old
+    prototypes. y: labels within the task. Returns the loss and the number right, as tensors."""
     model, head = learner.model, learner.heads[-1]
     if cfg.memory == "oe-rolling":  # the paper's words read literally: V, as it stands, is M
         for M, V in zip(learner.memory, learner.oe.basis):
             M.copy_(V)  # in place, as OE's own update: a CUDA graph replays fixed addresses
-    # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11)
-    with autocast(images.device, cfg):
+    # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11).
+    # The LoRA layers take M in this forward pass: that is where step (3) is prepared.
+    with autocast(images.device, cfg):  # bf16 on CUDA (ours)
         z, kv_inputs = model.encode(images, learner.memory)  # kv_inputs: (B, N, D) per block
     z = z.float()
     logits = head(z)
@@ -111,13 +107,14 @@ def train_step(learner, opt, images, y, cfg):
     if cfg.dml:
         dml = dml_loss(z, y, learner.prototypes, cfg.margin, cfg.tau, head.out_features)
         loss = loss + cfg.lambda_dml * dml
-    # OE, Eqs. (8)-(10): each block's basis V takes one step on this batch's K/V inputs, off M. It
-    # joins M at the task's end (end_task); the projection in (3) uses M only, never V (README).
+    # OE, Eqs. (8)-(10), the paper's "basis V provided by our OE algorithm": each block's V takes a
+    # step on this batch's K/V inputs. Ours: V joins M at the task's end, and (3) projects with M,
+    # never with V, which would take out this task's own gradient (README, "Protected memory").
     if cfg.oe and cfg.memory != "gpm":
         learner.oe.update(kv_inputs, learner.memory if cfg.memory == "oe" else None)
     del kv_inputs  # released before the backward pass peaks
     # (2) the raw gradient G = dL/dW of each K/V layer, and with it (3) the safe gradient of
-    # Theorem 1, Eq. (3), G_safe = G (I - M M^T): vit.LoRALinear.forward holds A's part in span(M)
+    # Theorem 1, Eq. (3), G_safe = G (I - M M^T): vit.LoRALinear.forward held A's part in span(M)
     # constant, so backward returns the factor gradients of G_safe, s B^T G_safe and s G_safe A^T.
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -125,7 +122,8 @@ def train_step(learner, opt, images, y, cfg):
     layers = [layer for _, _, layer in model.lora_layers()]
     if cfg.gr and cfg.rectify == "grad":
         rectify_gradients_(layers, cfg.delta)
-    # (5) the optimizer step; ours, --rectify update: GR acts on the step Adam proposes instead
+    # (5) the optimizer (train_task's Adam) takes them; ours, --rectify update: GR acts on Adam's
+    # proposed step instead
     if cfg.gr and cfg.rectify == "update":
         rectified_adam_step_(opt, layers, learner.memory, cfg.delta)
     else:
@@ -136,7 +134,7 @@ def train_step(learner, opt, images, y, cfg):
 # ---- (1) The Decoupled Margin Loss, Eq. (11) -----------------------------------------------------
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     """Eq. (11). z (B, D) features, y (B,) labels of the current task (of num_classes), old
-    prototypes (P, D) unit rows. The current prototypes are the batch's normalised class means."""
+    prototypes (P, D) unit rows. The current prototypes: the batch's unit class means (ours)."""
     z = F.normalize(z.float(), dim=1)
     onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C); pass C: no sync
     protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
@@ -154,7 +152,8 @@ class OnlineSubspace:
     for all blocks at once with blocks=L: V (L, D, k). The memory itself is the learner's."""
 
     def __init__(self, dim, k, lr=1.0, decay_steps=5, device=None, blocks=None):
-        self.dim, self.k, self.blocks = dim, k, blocks
+        self.dim, self.k = dim, k
+        self.blocks = blocks
         self.lr, self.decay_steps = lr, decay_steps
         self.basis = self.fresh_basis(None, device)
         self.steps = torch.zeros((), device=device)  # this task's steps so far: the step decays
@@ -169,8 +168,8 @@ class OnlineSubspace:
 
     @torch.no_grad()
     def update(self, X, memory=None):
-        """One step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2 with X_p = X (I - M M^T). X: the K/V
-        inputs, (B, N, D) per block (one (n, D) unbatched); memory: M (D, m) per block, or None."""
+        """One step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2; ours: X_p = X (I - M M^T), X all the
+        batch's tokens, (B, N, D) per block (one (n, D) unbatched); memory: M (D, m) per block."""
         V, M = self.basis, _stacked(memory)
         if V.shape[-1] == 0:  # a full memory: nothing left to learn
             return
@@ -184,12 +183,12 @@ class OnlineSubspace:
         S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: still finite
         grad = -(CV - V @ (V.mT @ CV))  # the gradient of Eq. (8) at an orthonormal V
         grad = _spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
-        lr = torch.full_like(self.steps, self.lr * self.decay_steps)  # ours: the step decays as
-        lr = lr / (self.decay_steps + self.steps)  # 1/t (a tensor: the step count is the device's)
+        lr = torch.full_like(self.steps, self.lr * self.decay_steps)  # ours: decays as 1/t; lr 1 is
+        lr = lr / (self.decay_steps + self.steps)  # subspace iteration, V_tilde = C V S^-1 (README)
         V_tilde = V - lr * grad  # Eq. (9)
         V = _qr_q(V_tilde)  # Eq. (10): V <- Q of V_tilde = QR; ours: R's diagonal > 0 (no flips)
-        self.basis.copy_(_off(V, M))  # off M: no round-off leaks into span(M); in place, as a
-        self.steps += 1  # CUDA graph replays fixed addresses (README, "Speed")
+        self.basis.copy_(_off(V, M))  # off M: no round-off leaks into span(M); in place, so a
+        self.steps += 1  # CUDA graph's replay advances V and the step count (README, "Speed")
 
     @torch.no_grad()
     def merge(self, memory):
@@ -202,8 +201,8 @@ class OnlineSubspace:
 
 # ---- (3) Theorem 1: the safe gradient comes from the LoRA forward (vit.LoRALinear.forward) -------
 def safe_gradient(G, M):
-    """Reference form of Theorem 1 the tests use (training gets G_safe from the LoRA forward):
-    G (..., d_out, d_in), M (..., d_in, m) orthonormal -> G (I - M M^T), Eq. (3)."""
+    """Reference form of Theorem 1, Eq. (3), for a dense G: the tests and --rectify update use it
+    (training gets G_safe from the LoRA forward). G (..., d_out, d_in), M (..., d_in, m)."""
     if M.shape[-1] == 0:
         return G
     return G - (G @ M) @ M.mT  # without forming the d_in x d_in projector
@@ -215,7 +214,7 @@ def rectify_gradients_(layers, delta):
     A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
     s = layers[0].scale
-    # autograd left gA = s B^T G_safe and gB = s G_safe A^T (step (3), in the forward)
+    # autograd left Eq. (4) of G_safe, transposed as the shapes need: s B^T G_safe, s G_safe A^T
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
@@ -229,7 +228,7 @@ def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
     BtG's dtype; the r x r systems in float64 (see _gram), which costs nothing at rank r."""
     dtype = BtG.dtype
     BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
-    dA = _spd_solve(_ridge(_gram(B), delta), BtG) / scale  # Eq. (6)
+    dA = _spd_solve(_ridge(_gram(B), delta), BtG) / scale  # Eq. (6); delta relative (ours)
     RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
     dB = _spd_solve(_ridge(_gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
     return dA.to(dtype), dB.to(dtype)
@@ -264,8 +263,8 @@ def _ridge(S, delta):
 
 
 def _qr_q(V):
-    """Q of V = QR (..., n, k), R's diagonal > 0: R^T is V^T V's Cholesky factor, in float64 (V^T V
-    >= I, OE's step being orthogonal to V); on a GPU, unlike Householder QR, it takes no time."""
+    """Eq. (10)'s Q of V = QR (..., n, k), R's diagonal > 0: R^T is V^T V's Cholesky factor, in
+    float64 (V^T V >= I: OE's step is orthogonal to V); on a GPU far faster than Householder QR."""
     R = torch.linalg.cholesky_ex(_gram(V)).L.mT
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
 
@@ -418,13 +417,17 @@ def train_task(learner, t, tasks, splits, cfg, clock):
     loader = data.make_loader(data.subset(splits.train, tasks[t]), cfg.batch_size, True,
                               cfg.workers, seed, cfg.device)
     params = [p for p in learner.model.lora_parameters() if p.requires_grad]
-    opt, step_fn = optimizer(params + list(learner.heads[-1].parameters()), cfg)
+    params += learner.heads[-1].parameters()
+    cuda = cfg.device.startswith("cuda")  # Adam's lr a tensor, which a CUDA graph reads as it is
+    opt = torch.optim.Adam(params, lr=torch.tensor(cfg.lr, device=cfg.device), capturable=cuda)
+    step_fn = StepGraph(train_step) if cuda and cfg.compile == "on" else train_step  # ours: speed
     learner.throughput.append([])
     first_loss = None
     for epoch in range(cfg.epochs):
         for group in opt.param_groups:  # in place: a CUDA graph replays the lr tensor
             group["lr"].fill_(cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule))
-        start, loss_sum, correct, seen = time.time(), 0.0, 0, 0
+        start = time.time()
+        loss_sum, correct, seen = 0.0, 0, 0
         for step, (images, y) in enumerate(loader, 1):
             images, y = images.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
             loss, right = step_fn(learner, opt, images, y, cfg)
@@ -462,20 +465,13 @@ def lr_factor(epoch, epochs, schedule):
     return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
 
 
-def optimizer(params, cfg):
-    """Adam (betas 0.9, 0.999, as InfLoRA's) with its lr a tensor, and the step to run: train_step,
-    or with --compile on CUDA its CUDA graph (ours, for speed)."""
-    cuda = cfg.device.startswith("cuda")
-    opt = torch.optim.Adam(params, lr=torch.tensor(cfg.lr, device=cfg.device), capturable=cuda)
-    return opt, StepGraph(train_step) if cuda and cfg.compile == "on" else train_step
-
-
 class StepGraph:
     """Ours, for speed: after `warmup` ordinary steps, a task's train_step is recorded as one CUDA
     graph, replayed for each batch of that shape (the host does nothing per step)."""
 
     def __init__(self, step, warmup=3):
-        self.step, self.warmup, self.graph = step, warmup, None
+        self.step, self.warmup = step, warmup
+        self.graph = None
 
     def __call__(self, learner, opt, images, y, cfg):
         if self.graph is not None and images.shape == self.images.shape:
@@ -531,9 +527,8 @@ def class_prototypes(z, y, classes):
 
 @torch.no_grad()
 def evaluate(model, heads, splits, tasks, cfg, clock=None):
-    """Row t of the accuracy matrices, per seen task: task-agnostic (the paper's: all seen heads,
-    one argmax, no task id) and task-aware (ours: the true task's head only); and the accuracy
-    over all test samples of the seen classes (sample-weighted, as InfLoRA's logs)."""
+    """Row t of the accuracy matrices: per seen task, task-agnostic (the paper's: an argmax over all
+    heads) and task-aware (ours: the true task's head); and over the seen test samples (InfLoRA)."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
     z, y = features(model, data.subset(splits.test, seen.tolist()), cfg, clock, "evaluation")
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
@@ -582,7 +577,8 @@ class Clock:
         self.left = {"train": train_images, "eval": eval_images}
         self.done = {"train": 0, "eval": 0}
         self.seconds = {"train": 0.0, "eval": 0.0}
-        self.every, self.shown, self.ticked = every, time.time(), time.time()
+        self.every = every
+        self.shown = self.ticked = time.time()
 
     def passed(self, kind, images):
         """Count a batch done; True when a progress line is due."""
@@ -980,7 +976,9 @@ class Run:
                     os.rmdir(path)
             raise
         cfg.out = self.out  # results.json's config names the folder, after a resume too
-        self.cfg, self.saved, self.current, self.exit_code = cfg, saved, None, 0
+        self.cfg, self.saved = cfg, saved
+        self.current = None  # the last task's snapshot, which checkpoint.pt keeps at the end
+        self.exit_code = 0
         self.results = {"config": asdict(cfg), "environment": environment(cfg),
                         "runs": saved["runs"] if saved else []}
         self.clock = Clock(*images_to_pass(cfg, self.splits, self.seeds_left(), saved))
@@ -992,7 +990,8 @@ class Run:
 
     def __enter__(self):
         self.sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-        cfg, splits = self.cfg, self.splits
+        cfg = self.cfg
+        splits = self.splits
         print(f"{cfg.dataset}: {len(splits.train)} training / {len(splits.test)} test images, "
               f"{splits.num_classes} classes, {cfg.tasks} tasks; {describe(asdict(cfg))}; "
               f"device {cfg.device}; out {_q(self.out)}", flush=True)
@@ -1192,7 +1191,8 @@ def _stat(s):
 
 
 def print_summary(results):
-    last, s = results["runs"][-1], results["summary"]
+    last = results["runs"][-1]
+    s = results["summary"]
     T = len(last["acc_matrix"])
     print(f"accuracy (%) on each task (columns) after each task (rows), seed {last['seed']}:")
     print("after task | " + " ".join(f"task {i + 1:<2d}" for i in range(T)))
@@ -1278,7 +1278,8 @@ class Probe:
     current task's features. factors: per layer, the task's (A, B) before the merge."""
 
     def __init__(self, factors, scale, current, device):
-        self.factors, self.scale, self.current = factors, scale, current  # current: (classes,)
+        self.factors, self.scale = factors, scale
+        self.current = current  # (classes,) bool: the current task's
         self.energy = torch.zeros(2, len(factors), device=device)  # (past, current) x layers
         self.tokens = torch.zeros(2, device=device)
         self.z, self.y = [], []
@@ -1426,9 +1427,11 @@ def plot_angular(plt, run, path):
 def benchmark(cfg):
     """--benchmark: plain LoRA, janus-grad and janus-update, one step of each in turn on the same
     inputs, so that drift hits all alike; the median of the per-round ratios to plain."""
-    device, C = torch.device(cfg.device), data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
+    device = torch.device(cfg.device)
+    cuda = device.type == "cuda"
+    C = data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks  # classes in a task
     base = build_model(Config(**{**asdict(cfg), "weights": "none"}))  # the cost is the same
-    cuda, m = device.type == "cuda", min(cfg.k * (cfg.tasks // 2), base.embed_dim - cfg.k)
+    m = min(cfg.k * (cfg.tasks // 2), base.embed_dim - cfg.k)  # the memory at mid-run
     images = torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, device=device)
     y = torch.randint(0, C, (cfg.batch_size,), device=device)
     changes = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": dict(rectify="grad"),
@@ -1504,8 +1507,10 @@ def bench_step(cfg, base, change, m, C):
     learner.heads.append(torch.nn.Linear(D, C).to(cfg.device))
     if vcfg.memory == "oe-rolling":  # V itself, as start_task sets it
         learner.memory = list(learner.oe.basis.clone())
-    opt, step_fn = optimizer(learner.model.lora_parameters() +
-                             list(learner.heads[-1].parameters()), vcfg)
+    params = learner.model.lora_parameters() + list(learner.heads[-1].parameters())
+    cuda = vcfg.device.startswith("cuda")  # as train_task's
+    opt = torch.optim.Adam(params, lr=torch.tensor(vcfg.lr, device=vcfg.device), capturable=cuda)
+    step_fn = StepGraph(train_step) if cuda and vcfg.compile == "on" else train_step
 
     def step(images, y):
         return step_fn(learner, opt, images, y, vcfg)
@@ -1523,7 +1528,8 @@ def _time_loader(cfg):
         return None
     device = torch.device(cfg.device)
     loader = data.make_loader(splits.train, cfg.batch_size, True, cfg.workers, 0, device)
-    batches, start = iter(loader), time.perf_counter()
+    batches = iter(loader)
+    start = time.perf_counter()
     images = sum(len(next(batches)[1]) for _ in range(min(cfg.steps, len(loader))))
     _sync(device)  # the device pipeline's kernels run asynchronously
     speed = images / (time.perf_counter() - start)

@@ -52,7 +52,7 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if memory is None or memory.shape[1] == 0:
             return out + self.scale * F.linear(F.linear(x, self.A), self.B)
-        # Janus-LoRA Theorem 1 through autograd. A = A_out + A_in with A_in = A M M^T held constant:
+        # Janus-LoRA Theorem 1, Eq. (3), by autograd. A = A_out + A_in, A_in = A M M^T constant:
         # the output and dL/dx are unchanged, and the factor gradients become the chain rule of the
         # safe gradient, dL/dA = s B^T G (I - M M^T), dL/dB = s G (I - M M^T) A^T (G = dL/dW).
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
@@ -122,11 +122,13 @@ class VisionTransformer(nn.Module):
     def __init__(self, img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12,
                  mlp_ratio=4.0, lora_rank=10, lora_scale=1.0, in_chans=3):
         super().__init__()
-        self.embed_dim, self.patch_size, self.grid = embed_dim, patch_size, img_size // patch_size
+        self.embed_dim, self.patch_size = embed_dim, patch_size
+        self.grid = img_size // patch_size  # patches per side
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
         # (1, 1, D) and (1, 1+N, D), trunc-normal std 0.02 as in ViT; the checkpoints overwrite them
-        init = lambda *shape: nn.Parameter(nn.init.trunc_normal_(torch.empty(*shape), std=0.02))
-        self.cls_token, self.pos_embed = init(1, 1, embed_dim), init(1, 1 + self.grid**2, embed_dim)
+        self.cls_token = nn.Parameter(nn.init.trunc_normal_(torch.empty(1, 1, embed_dim), std=0.02))
+        self.pos_embed = nn.Parameter(nn.init.trunc_normal_(torch.empty(1, 1 + self.grid**2,
+                                                                        embed_dim), std=0.02))
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, lora_rank, lora_scale)
                                     for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
@@ -200,7 +202,9 @@ _ST_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16,
 
 
 def _their_key(layout, key):
-    return functools.reduce(lambda k, rule: re.sub(*rule, k), _RENAMES[layout], key)
+    for pattern, replacement in _RENAMES[layout]:
+        key = re.sub(pattern, replacement, key)
+    return key
 
 
 def _read_safetensors(path):
