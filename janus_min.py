@@ -847,6 +847,8 @@ def check_config(cfg):
     rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
     _require(cfg.row is None or cfg.row in rows, f"--row {cfg.row}: --reproduce {cfg.reproduce} "
              f"has the rows {', '.join(rows) or 'of a table: add --reproduce NAME'}")
+    _require(cfg.reproduce or not cfg.dry_run, "--dry-run lists the rows of --reproduce NAME and "
+             "trains nothing: add --reproduce NAME, or drop --dry-run to train")
     return _check_device(cfg)
 
 

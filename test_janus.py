@@ -1859,6 +1859,8 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "out-under-a-file": (TINY + ["--out", "{tmp}/afile/run"], "afile is a file, not a folder"),
     "reproduce-unknown-row": (TINY + ["--reproduce", "gr-plugin", "--row", "7"],
                               "has the rows lora-gpm, lora-gpm-gr"),
+    "dry-run-without-reproduce": (TINY + ["--dry-run"], "add --reproduce NAME, or drop --dry-run"),
+    "dry-run-with-method": (TINY + ["--method", "finetune", "--dry-run"], "drop --dry-run to train"),
 }
 
 
