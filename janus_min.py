@@ -1655,7 +1655,7 @@ def reproduce(cfg, argv=None):
             continue
         interrupted = os.path.exists(os.path.join(folder, "checkpoint.pt"))  # continues from there
         row_argv = given + rows[row] + ["--resume" if interrupted else "--out", folder]
-        print(f"{row}: python janus_min.py {' '.join(row_argv)}")
+        print(f"{row}: python janus_min.py {shlex.join(row_argv)}")  # quoted: it pastes
         if cfg.dry_run:
             continue
         code = main(row_argv)

@@ -13,6 +13,7 @@ import math
 import pickle
 import re
 import shutil
+import shlex
 import signal
 import socket
 import struct
@@ -1938,6 +1939,13 @@ def test_reproduce_row_runs_that_row_alone(capsys):
     assert jm.main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
     assert rows == ["lora-gpm-gr: python janus_min.py --method lora-gpm-gr --out R/lora-gpm-gr"]
+
+
+def test_reproduce_prints_commands_that_paste_with_a_space_in_out(capsys):
+    assert jm.main(["--reproduce", "gr-plugin", "--dry-run", "--out", "dir x/abl"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
+    argvs = [shlex.split(line.partition(": python janus_min.py ")[2]) for line in rows]
+    assert argvs == [["--method", m, "--out", f"dir x/abl/{m}"] for m in ("lora-gpm", "lora-gpm-gr")]
 
 
 @pytest.mark.parametrize("flags, mean_std", [
