@@ -1623,7 +1623,25 @@ PAPER = {
         "k25": (None, None, -7.41), "k100": (None, None, -4.14)}),
     ("lambda", "imagenet-r", 10): ("the appendix's text", {
         "l0.5": (None, None, -5.50), "l2.0": (None, None, -6.62)}),
+    ("margin", "imagenet-r", 10): ("Fig. 4b, drawn only: its source quotes no value", {}),
 }
+
+
+def paper_note(name, dataset, tasks):
+    """Whether the paper gives numbers for --reproduce NAME on this data set and T, or where."""
+    source, rows = PAPER.get((name, dataset, tasks), (None, {}))
+    if rows:
+        return f"the paper's numbers: {source}"
+    note = f"the paper gives no numbers for {dataset}, T={tasks}"
+    if source:  # the setting of a figure whose values its source does not quote
+        note += f" ({source})"
+    where = [(d, t, s) for (n, d, t), (s, _) in PAPER.items()
+             if n == name and (d, t) != (dataset, tasks)]
+    if not where:
+        return note
+    settings = ", ".join(f"{d}, T={t} ({s})" for d, t, s in where)
+    return f"{note}; its settings for this set: {settings}: add --dataset {where[0][0]} " \
+        f"--tasks {where[0][1]}"
 
 
 def to_argv(cfg, skip=("reproduce", "row", "dry_run", "out", "resume", "method")):
@@ -1647,7 +1665,8 @@ def reproduce(cfg, argv=None):
     given = to_argv(parse_args(argv))  # the flags as typed, before the data set's defaults
     what, rows = REPRODUCE[cfg.reproduce]
     out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
-    print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows into {out}")
+    print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows on {cfg.dataset}, T={cfg.tasks}, "
+          f"into {_q(out)}; {paper_note(cfg.reproduce, cfg.dataset, cfg.tasks)}")
     for row in [cfg.row] if cfg.row else rows:
         folder = os.path.join(out, row)
         if not cfg.dry_run and set(cfg.seeds) <= {r["seed"] for r in _row_runs(folder)}:
@@ -1691,7 +1710,7 @@ def write_table(cfg, out, rows):
     source, paper = PAPER.get((cfg.reproduce, cfg.dataset, cfg.tasks), (None, {}))
     table = {"reproduce": cfg.reproduce, "what": REPRODUCE[cfg.reproduce][0],
              "dataset": cfg.dataset, "tasks": cfg.tasks, "paper_source": source, "rows": {},
-             "missing": []}
+             "missing": [], "paper_note": paper_note(cfg.reproduce, cfg.dataset, cfg.tasks)}
     for row, flags in rows.items():
         runs = _row_runs(os.path.join(out, row))
         if not runs:
@@ -1713,7 +1732,8 @@ def _table_md(table):
         return f"{v[0]:.2f} ± {v[1]:.2f}"
     source = table["paper_source"] or "none for this data set and T"
     lines = [f"# --reproduce {table['reproduce']}: {table['what']}",
-             f"{table['dataset']}, T = {table['tasks']}; ours: mean ± std over seeds.", "",
+             f"{table['dataset']}, T = {table['tasks']}; {table['paper_note']}; ours: mean ± std "
+             "over seeds.", "",
              "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
              "task-aware BWT | violation | interference | danger share | s / task | "
              f"the paper's ACC / MAA / BWT ({source}) |", "|" + "---|" * 14]

@@ -1760,6 +1760,22 @@ def test_reproduce_dry_run_lists_the_ablations_seven_rows(capsys):
         assert line.endswith(f"--dataset imagenet-r {flags[row]} --out R/{row}".replace("  ", " "))
 
 
+def test_reproduce_says_its_data_set_and_t_and_whether_the_paper_gives_numbers(capsys):
+    for name in jm.REPRODUCE:  # without --dataset: CIFAR-100, T=10; the paper's numbers for some
+        assert jm.main(["--reproduce", name, "--dry-run", "--out", "R"]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert "rows on cifar100, T=10, into R; " in head
+        given = name in ("methods", "oe-vs-gpm")  # the others' numbers: ImageNet-R, T=10
+        assert ("the paper's numbers: Table" in head) == given, head
+        assert ("add --dataset imagenet-r --tasks 10" in head) != given, head
+    assert head.endswith("the paper gives no numbers for cifar100, T=10; its settings for this "
+                         "set: imagenet-r, T=10 (Tables 2 and 4): add --dataset imagenet-r "
+                         "--tasks 10")  # the last set's, backbones
+    assert jm.main(["--reproduce", "ablation", "--dataset", "imagenet-r", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("T=10, into runs/ablation-imagenet-r-"
+                                                            "T10; the paper's numbers: Table 1")
+
+
 def test_reproduce_resumes_and_writes_the_table(tmp_path, monkeypatch, capsys):
     """Interrupted during its second row, --reproduce skips the finished first row when started
     again, continues the second, and writes table.md from both."""
@@ -1778,6 +1794,8 @@ def test_reproduce_resumes_and_writes_the_table(tmp_path, monkeypatch, capsys):
     assert calls == [False, True, True]  # lora-gpm once; lora-gpm-gr interrupted, then run
     assert "lora-gpm: finished before, skipped" in capsys.readouterr().out
     table = (tmp_path / "table.md").read_text()
+    assert "synthetic, T = 2; the paper gives no numbers for synthetic, T=2; its settings for " \
+        "this set: imagenet-r, T=10 (Fig. 6, as printed on the figure): add --dataset" in table
     assert "| lora-gpm | `--method lora-gpm` | 1 |" in table and "| lora-gpm-gr |" in table
     assert set(json.loads((tmp_path / "table.json").read_text())["rows"]) == {"lora-gpm",
                                                                               "lora-gpm-gr"}
@@ -1861,7 +1879,8 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "reproduce-unknown-row": (TINY + ["--reproduce", "gr-plugin", "--row", "7"],
                               "has the rows lora-gpm, lora-gpm-gr"),
     "dry-run-without-reproduce": (TINY + ["--dry-run"], "add --reproduce NAME, or drop --dry-run"),
-    "dry-run-with-method": (TINY + ["--method", "finetune", "--dry-run"], "drop --dry-run to train"),
+    "dry-run-with-method": (TINY + ["--method", "finetune", "--dry-run"], "drop --dry-run to "
+                            "train"),
 }
 
 
@@ -1945,7 +1964,8 @@ def test_reproduce_prints_commands_that_paste_with_a_space_in_out(capsys):
     assert jm.main(["--reproduce", "gr-plugin", "--dry-run", "--out", "dir x/abl"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
     argvs = [shlex.split(line.partition(": python janus_min.py ")[2]) for line in rows]
-    assert argvs == [["--method", m, "--out", f"dir x/abl/{m}"] for m in ("lora-gpm", "lora-gpm-gr")]
+    rows = ("lora-gpm", "lora-gpm-gr")
+    assert argvs == [["--method", m, "--out", f"dir x/abl/{m}"] for m in rows]
 
 
 @pytest.mark.parametrize("flags, mean_std", [
