@@ -719,6 +719,10 @@ METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
            "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
            "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
            "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
+# A preset's switch and the flags it makes meaningless: refused beside it (--memory gpm's: unless
+# --memory is typed too, which overrides it)
+MEANINGLESS = {"--no-oe": "memory gpm_threshold k oe_lr oe_decay_steps", "--no-gr": "delta rectify",
+               "--no-dml": "margin lambda_dml tau", "--memory gpm": "k oe_lr oe_decay_steps"}
 GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); the others 0.95, 1.0
 GROUPS = {  # --help's groups, in order: every field in one
     "data": "dataset data_dir tasks epochs batch_size limit_per_class img_size input_range",
@@ -795,10 +799,21 @@ def parse_args(argv=None, typed_only=False):
     return Config(**vars(_parser(False).parse_args(METHODS.get(typed.get("method"), []) + argv)))
 
 
+def meaningless(typed):
+    """{flag name: the switch of the typed --method's preset that makes it meaningless}."""
+    preset = f" {' '.join(METHODS.get(typed.get('method'), []))} "
+    switches = [s for s in MEANINGLESS if f" {s} " in preset and
+                not (s == "--memory gpm" and "memory" in typed)]
+    return {name: s for s in switches for name in MEANINGLESS[s].split() if name in typed}
+
+
 def configure(argv=None):
     """The command line's Config, checked; with --resume, the run's own (what is typed must agree)
     and its checkpoint."""
     cfg, saved = parse_args(argv), None
+    for name, switch in meaningless(parse_args(argv, typed_only=True)).items():  # the first told
+        raise ConfigError(f"{_flag(name)} has no effect with --method {cfg.method} (its {switch}): "
+                          f"drop {_flag(name)}")
     if cfg.resume and not cfg.reproduce:
         cfg, saved = resume_config(cfg, parse_args(argv, typed_only=True))
     return check_config(cfg), saved
@@ -1644,9 +1659,10 @@ def paper_note(name, dataset, tasks):
         f"--tasks {where[0][1]}"
 
 
-def to_argv(cfg, skip=("reproduce", "row", "dry_run", "out", "resume", "method")):
-    """The flags that give cfg again: every field that differs from its default."""
-    argv = []
+def to_argv(cfg, drop=()):
+    """The flags that give cfg again: every field that differs from its default, but those of the
+    mode and those named in drop."""
+    argv, skip = [], ("reproduce", "row", "dry_run", "out", "resume", "method", *drop)
     for f in fields(Config):
         value = getattr(cfg, f.name)
         if f.name in skip or value == f.default or isinstance(value, list) and \
@@ -1662,7 +1678,7 @@ def to_argv(cfg, skip=("reproduce", "row", "dry_run", "out", "resume", "method")
 def reproduce(cfg, argv=None):
     """Each row into OUT/<row>/, with the flags given and the row's: a finished row is skipped, an
     interrupted one resumed; then the table of whichever rows have finished."""
-    given = to_argv(parse_args(argv))  # the flags as typed, before the data set's defaults
+    typed = parse_args(argv, typed_only=True)
     what, rows = REPRODUCE[cfg.reproduce]
     out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
     print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows on {cfg.dataset}, T={cfg.tasks}, "
@@ -1673,7 +1689,10 @@ def reproduce(cfg, argv=None):
             print(f"{row}: finished before, skipped")
             continue
         interrupted = os.path.exists(os.path.join(folder, "checkpoint.pt"))  # continues from there
-        row_argv = given + rows[row] + ["--resume" if interrupted else "--out", folder]
+        # the flags typed (before the data set's defaults) but those the row's preset makes moot
+        useless = meaningless({**typed, **parse_args(rows[row], typed_only=True)})
+        row_argv = to_argv(parse_args(argv), useless) + rows[row] + [
+            "--resume" if interrupted else "--out", folder]
         print(f"{row}: python janus_min.py {shlex.join(row_argv)}")  # quoted: it pastes
         if cfg.dry_run:
             continue

@@ -1596,6 +1596,8 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
     if method == "janus-rolling":
         monkeypatch.setattr(jm, "train_step", train_step)
     argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1") + ["--method", method]
+    if method not in ("janus", "janus-rolling"):  # without OE, --k is refused
+        argv = argv[:argv.index("--k")] + argv[argv.index("--k") + 2:]
     assert jm.main(argv + ["--out", str(tmp_path)]) == 0
     r = _results(tmp_path)["runs"][0]
     assert {k: r[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(r["acc_matrix"]))
@@ -1879,8 +1881,9 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "reproduce-unknown-row": (TINY + ["--reproduce", "gr-plugin", "--row", "7"],
                               "has the rows lora-gpm, lora-gpm-gr"),
     "dry-run-without-reproduce": (TINY + ["--dry-run"], "add --reproduce NAME, or drop --dry-run"),
-    "dry-run-with-method": (TINY + ["--method", "finetune", "--dry-run"], "drop --dry-run to "
-                            "train"),
+    "dry-run-with-method": (["--method", "finetune", "--dry-run"], "drop --dry-run to train"),
+    "flag-a-preset-makes-meaningless": (["--method", "finetune", "--memory", "gpm"], "--memory "
+                                        "has no effect with --method finetune (its --no-oe)"),
 }
 
 
@@ -1958,6 +1961,21 @@ def test_reproduce_row_runs_that_row_alone(capsys):
     assert jm.main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
     assert rows == ["lora-gpm-gr: python janus_min.py --method lora-gpm-gr --out R/lora-gpm-gr"]
+
+
+def test_reproduce_leaves_out_the_flags_a_rows_preset_makes_meaningless(capsys):
+    """The README shares --k 32 among --reproduce's rows: a preset without OE's basis (finetune,
+    GPM's memory) or without DML does not get --k or --margin, and each command runs as printed."""
+    assert jm.main(["--reproduce", "methods", "--k", "32", "--margin", "0.2", "--dry-run"]) == 0
+    lines = [line.split(": python janus_min.py ") for line in capsys.readouterr().out.splitlines()]
+    rows = {line[0]: shlex.split(line[1]) for line in lines if len(line) == 2}
+    assert [argv[:-2] for argv in rows.values()] == [["--method", "finetune"],
+                                                     ["--method", "lora-gpm"],
+                                                     ["--method", "inflora"],
+                                                     ["--k", "32", "--margin", "0.2", "--method",
+                                                      "janus"]]
+    assert all(jm.configure(argv)[0].method == row for row, argv in rows.items())
+    assert jm.configure(["--method", "lora-gpm", "--memory", "oe", "--k", "16"])[0].k == 16
 
 
 def test_reproduce_prints_commands_that_paste_with_a_space_in_out(capsys):
