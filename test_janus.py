@@ -377,6 +377,8 @@ def test_task_classes_partition_and_errors():
     for classes, tasks in [(100, 7), (10, 0), (10, -2)]:
         with pytest.raises(data.DataError, match='divisor'):
             data.task_classes(classes, tasks)
+    with pytest.raises(data.DataError, match='one class per task'):
+        data.task_classes(10, 10)
 
 
 def test_unknown_dataset_lists_the_known_ones():
@@ -1849,6 +1851,7 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "k-zero": (TINY + ["--k", "0"], "--k"), "k-too-wide": (TINY + ["--k", "193"], "--k"),
     "rank-zero": (TINY + ["--rank", "0"], "--rank"),
     "tasks-not-dividing": (TINY + ["--tasks", "5"], "does not divide"),
+    "tasks-of-one-class": (TINY + ["--tasks", "12"], "--tasks 12 leaves one class per task"),
     "epochs-zero": (TINY + ["--epochs", "0"], "--epochs"),
     "batch-zero": (TINY + ["--batch-size", "0"], "--batch-size"),
     "lr-negative": (TINY + ["--lr", "-1"], "--lr"),
