@@ -1463,6 +1463,9 @@ TINY = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "-
         "--workers", "0", "--lr", "5e-3", "--device", "cpu"]  # the CPU: its numbers are compared
 
 
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "  # log.txt's, before each line
+
+
 def _results(folder):
     with open(folder / "results.json") as f:
         return json.load(f)
@@ -1631,6 +1634,20 @@ def test_progress_lines_come_every_30_s_with_an_eta_that_counts_evaluation(monke
     assert capsys.readouterr().out == "task 1/2 epoch 1/1: 3/9 steps  ETA 0.6 min\n"
 
 
+def test_evaluation_and_the_prototypes_pass_show_progress_too(tmp_path, monkeypatch, capsys):
+    """With a line due after every batch: the passes that do not train say how far they are, in
+    the console and in log.txt, and the ETA reaches 0 with the last test image of the run."""
+    monkeypatch.setattr(jm.Clock.__init__, "__defaults__", (0.0,))  # every: a line each batch
+    argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1")  # 6 classes: 144 / 48 images a task
+    assert jm.main(argv + ["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    log = (tmp_path / "log.txt").read_text()
+    for line in ("evaluation: 8/48 images  ETA", "evaluation: 48/48 images  ETA",
+                 "task 2's prototypes: 144/144 images  ETA",
+                 "evaluation: 96/96 images  ETA 0.0 min"):
+        assert f"\n{line}" in out and re.search(rf"^{STAMP}{line}", log, re.M), line
+
+
 def test_every_console_line_goes_to_log_txt_after_a_timestamp(tmp_path):
     console = io.StringIO()
     with open(tmp_path / "log.txt", "w") as log:
@@ -1638,8 +1655,7 @@ def test_every_console_line_goes_to_log_txt_after_a_timestamp(tmp_path):
         print("one\ntw", end="", file=tee)
         print("o", file=tee)
     assert console.getvalue() == "one\ntwo\n"
-    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "
-    assert re.fullmatch(f"{stamp}one\n{stamp}two\n", (tmp_path / "log.txt").read_text())
+    assert re.fullmatch(f"{STAMP}one\n{STAMP}two\n", (tmp_path / "log.txt").read_text())
 
 
 def test_help_lists_every_flag_by_group_with_examples(capsys):
