@@ -1700,6 +1700,10 @@ def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeyp
     monkeypatch.setattr(jm, "evaluate", real_evaluate)
     said = capsys.readouterr().out
     assert f"continue with: python janus_min.py --resume {tmp_path / 'b'}" in said
+    name = {"ctrl-c": "Ctrl-C", "sigterm": "SIGTERM"}[stop]  # the same line in log.txt, stamped
+    assert re.search(rf"^{STAMP}interrupted \({name}\): .* continue with: python janus_min.py "
+                     rf"--resume {re.escape(str(tmp_path / 'b'))}$",
+                     (tmp_path / "b" / "log.txt").read_text(), re.M)
     assert not (tmp_path / "b" / "results.json").exists()
     assert not (tmp_path / "b" / "run.lock").exists()  # released on the way out
     ckpt = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)
