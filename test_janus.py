@@ -1749,6 +1749,24 @@ def test_a_second_run_on_the_same_folder_is_refused_until_its_lock_is_gone(tmp_p
     assert run["BWT"] is None and _results(folder)["summary"]["BWT"]["mean"] is None  # one task
 
 
+def test_resume_of_a_busy_folder_is_refused_before_anything_loads(tiny_run, tmp_path, monkeypatch,
+                                                                  capsys):
+    """The lock is checked before the data and the backbone load, and the advice is --resume's."""
+    folder = tmp_path / "busy"
+    shutil.copytree(tiny_run["out"], folder)
+    (folder / "run.lock").write_text("process 4242 on elsewhere")
+    loaded = []
+
+    def load_dataset(*args, **kwargs):
+        loaded.append(args)
+    monkeypatch.setattr(data, "load_dataset", load_dataset)
+    assert jm.main(["--resume", str(folder)]) == 2 and not loaded
+    err = capsys.readouterr().err
+    assert "in use by the run of process 4242 on elsewhere" in err and "--out" not in err
+    assert "wait for it to end or stop it, then run --resume again" in err
+    assert (folder / "run.lock").read_text() == "process 4242 on elsewhere"
+
+
 @pytest.mark.parametrize("flag", ["--out", "--resume"])
 def test_an_unwritable_folder_is_refused_before_anything_loads(tiny_run, tmp_path, monkeypatch,
                                                                 capsys, flag):
