@@ -1848,6 +1848,7 @@ def bad_files(tmp_path_factory, small):
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty").mkdir()
     (tmp / "junk.pth").write_bytes(b"this is not a checkpoint" * 10)
+    (tmp / "text.pth").write_text("hello world\nline two\n")  # torch.load: KeyError 101
     (tmp / "trunc.pth").write_bytes(small["paths"]["timm"].read_bytes()[:5000])
     (tmp / "noresume").mkdir()
     (tmp / "oldformat").mkdir()
@@ -1883,6 +1884,8 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "fashion-missing": (["--dataset", "fashion-mnist", "--data-dir", "{tmp}/none"], "--data-dir"),
     "weights-truncated": (CKPT + ["--weights", "{tmp}/trunc.pth"], "trunc.pth"),
     "weights-junk": (CKPT + ["--weights", "{tmp}/junk.pth"], "junk.pth"),
+    "weights-a-text-file": (CKPT + ["--weights", "{tmp}/text.pth"], "text.pth is not a checkpoint: "
+                            "neither a zip (torch.save), a pickle, an .npz nor a .safetensors"),
     "weights-misfit": (CKPT + ["--weights", "SMALL"], "does not fit this ViT"),
     "input-range-of-a-file": (CKPT + ["--weights", "SMALL", "--input-range", "checkpoint"],
                               "--input-range half"),
