@@ -1393,8 +1393,9 @@ def plot(results, out):
         print("matplotlib is not installed: no plots (results.json has the numbers)")
         return
     plot_trajectory(plt, results, os.path.join(out, "trajectory.png"))
-    plot_violation(plt, results["runs"][0], os.path.join(out, "violation.png"))
-    if not plot_angular(plt, results["runs"][0], os.path.join(out, "angular.png")):
+    first, config = results["runs"][0], results["config"]
+    plot_violation(plt, first, config, os.path.join(out, "violation.png"))
+    if not plot_angular(plt, first, config, os.path.join(out, "angular.png")):
         print("angular.png not drawn: one task has no old prototypes")
     plt.close("all")
 
@@ -1422,10 +1423,13 @@ def plot_trajectory(plt, results, path):
     fig.savefig(path, dpi=120)
 
 
-def plot_violation(plt, run, path):
+def plot_violation(plt, run, config, path):
     """Paper Fig. 2 per block (from 1), mean over tasks 2..T: ||dW M|| / ||dW|| against the memory
     and ||X_past dW^T|| / sqrt(n) on the past tasks' test inputs."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig.suptitle(f"{_title(config)}\nsmall: the task's update leaves the protected inputs' outputs "
+                 "alone (left: the memory's directions; right: the past tasks' test inputs)",
+                 fontsize=9)
     past = {n: [[i["past"][2 * b + j] for b in range(len(i["past"]) // 2)]
                 for i in run["interference"] if i] for j, n in enumerate("kv")}
     panels = ((axes[0], run["violation"], "||dW M|| / ||dW|| (against the memory)"),
@@ -1444,31 +1448,40 @@ def plot_violation(plt, run, path):
         else:  # no memory (OE off), or a single task: nothing is defined
             ax.text(0.5, 0.5, "undefined: no memory or one task", ha="center",
                     transform=ax.transAxes)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))  # below the two-line suptitle
     fig.savefig(path, dpi=120)
 
 
-def plot_angular(plt, run, path):
+def plot_angular(plt, run, config, path):
     """Paper Fig. 3 and the appendix's density: the last task's samples, cos_old against cos_own,
     and each task's density of cos_old (DML pushes it below the margin)."""
     tasks = [(t + 1, g) for t, g in enumerate(run["geometry"]) if g]
     if not tasks:
         return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
+    fig.suptitle(_title(config), fontsize=9)
     t, g = tasks[-1]
+    values = g["cos_old"] + g["cos_own"]
+    lo = min(values) - 0.05  # both axes: the data's range with a margin, square
+    hi = max(values) + 0.05
     left.scatter(g["cos_old"], g["cos_own"], s=6, alpha=0.5)
+    left.plot([lo, hi], [lo, hi], "k--", lw=0.8,
+              label=f"cos_old = cos_own; below, closer to old: {g['closer_to_old']:.3f}")
     left.axvline(0.5, color="red", ls="--", label=f"danger zone > 0.5: {g['danger']:.3f}")
     left.axvline(0.2, color="green", ls=":", label=f"safe < 0.2: {g['safe']:.3f}")
     left.set(xlabel="cos_old: largest similarity to an old prototype",
-             ylabel="cos_own: similarity to its own prototype", xlim=(-0.2, 1), ylim=(-0.2, 1),
-             title=f"seed {run['seed']}, task {t}'s test samples; cos_old > cos_own: "
-                   f"{g['closer_to_old']:.3f}")
+             ylabel="cos_own: similarity to its own prototype", xlim=(lo, hi), ylim=(lo, hi),
+             title=f"seed {run['seed']}, task {t}'s test samples")
     left.legend(fontsize=8)
+    width = 2 / len(g["hist"])  # the bins of dml_geometry's histogram over [-1, 1]
+    used = []  # the centres of the bins that hold samples
     for t, g in tasks:
-        bins = torch.linspace(-1, 1, len(g["hist"]) + 1)
-        right.plot((bins[1:] + bins[:-1]) / 2, g["hist"], label=f"task {t}")
-    right.set(xlabel="cos_old", ylabel="share of the task's test samples", xlim=(-0.2, 1),
-              title="density of cos_old per task")
+        centres = [-1 + width * (i + 0.5) for i in range(len(g["hist"]))]
+        right.plot(centres, g["hist"], "o-", ms=3, label=f"task {t}")
+        used += [c for c, share in zip(centres, g["hist"]) if share > 0]
+    right.set(xlabel="cos_old", ylabel=f"share of the task's test samples per bin (width {width})",
+              xlim=(max(min(used) - width, -1), min(max(used) + width, 1)),
+              title="cos_old per task: the share of its test samples in each bin")
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

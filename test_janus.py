@@ -1678,15 +1678,36 @@ def test_help_names_readme_sections_that_exist(capsys):
 
 
 @pytest.mark.parametrize("memory", [True, False])
-def test_plots_when_matplotlib_is_installed(tiny_run, tmp_path, memory):
-    """The three plots, also of a run without a memory (every ||dW M|| undefined: a note)."""
-    pytest.importorskip("matplotlib")  # optional: without it a one-line note instead
+def test_plots_when_matplotlib_is_installed(tiny_run, tmp_path, monkeypatch, memory):
+    """The three plots, also of a run without a memory (every ||dW M|| undefined: a note); each
+    names its data set, T and configuration; angular.png draws cos_old = cos_own within axes
+    scaled to the data, and says what its right panel plots."""
+    matplotlib = pytest.importorskip("matplotlib")  # optional: without it a one-line note instead
     res = copy.deepcopy(tiny_run["res"])
     if not memory:
         res["runs"][0]["violation"] = {n: [[None] * 12] * 3 for n in "kv"}
+    figures = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        figures[os.path.basename(path)] = fig
+        return real_savefig(fig, path, **kwargs)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     jm.plot(res, str(tmp_path))
     for name in ("trajectory.png", "violation.png", "angular.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        fig = figures[name]
+        titles = " ".join([fig.get_suptitle()] + [ax.get_title() for ax in fig.axes])
+        assert jm._title(res["config"]) in titles and "synthetic, T=3" in titles, name
+    assert "small: the task's update leaves" in figures["violation.png"].get_suptitle()
+    left, right = figures["angular.png"].axes
+    g = res["runs"][0]["geometry"][-1]
+    values = g["cos_old"] + g["cos_own"]
+    assert left.get_xlim() == left.get_ylim() == pytest.approx((min(values) - 0.05,
+                                                                max(values) + 0.05))
+    assert any(list(line.get_xdata()) == list(line.get_ydata()) == list(left.get_xlim())
+               for line in left.lines)  # the diagonal, corner to corner
+    assert "per bin" in right.get_ylabel() and "in each bin" in right.get_title()
 
 
 @pytest.mark.parametrize("stop, code", [("ctrl-c", 130), ("sigterm", 143)])
