@@ -395,6 +395,9 @@ def task_classes(num_classes, tasks):
     if tasks < 1 or num_classes % tasks:
         raise DataError(f'--tasks {tasks} does not divide the {num_classes} classes evenly: pick a '
                         f'divisor of {num_classes}.')
+    if num_classes == tasks:  # a head of one class: its cross-entropy is 0, its accuracy 100%
+        raise DataError(f'--tasks {tasks} leaves one class per task, which a head cannot get '
+                        f'wrong: pick a divisor of {num_classes} up to {num_classes // 2}.')
     per = num_classes // tasks
     return [list(range(t * per, (t + 1) * per)) for t in range(tasks)]
 

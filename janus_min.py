@@ -668,6 +668,10 @@ METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
            "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
            "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
            "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
+# A preset's switch and the flags it makes meaningless: refused beside it (--memory gpm's: unless
+# --memory is typed too, which overrides it)
+MEANINGLESS = {"--no-oe": "memory gpm_threshold k oe_lr oe_decay_steps", "--no-gr": "delta rectify",
+               "--no-dml": "margin lambda_dml tau", "--memory gpm": "k oe_lr oe_decay_steps"}
 GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs (lamb, lame); the others 0.95, 1.0
 GROUPS = {  # --help's groups, in order: every field in one
     "data": "dataset data_dir tasks epochs batch_size limit_per_class img_size input_range",
@@ -744,10 +748,21 @@ def parse_args(argv=None, typed_only=False):
     return Config(**vars(_parser(False).parse_args(METHODS.get(typed.get("method"), []) + argv)))
 
 
+def meaningless(typed):
+    """{flag name: the switch of the typed --method's preset that makes it meaningless}."""
+    preset = f" {' '.join(METHODS.get(typed.get('method'), []))} "
+    switches = [s for s in MEANINGLESS if f" {s} " in preset and
+                not (s == "--memory gpm" and "memory" in typed)]
+    return {name: s for s in switches for name in MEANINGLESS[s].split() if name in typed}
+
+
 def configure(argv=None):
     """The command line's Config, checked; with --resume, the run's own (what is typed must agree)
     and its checkpoint."""
     cfg, saved = parse_args(argv), None
+    for name, switch in meaningless(parse_args(argv, typed_only=True)).items():  # the first told
+        raise ConfigError(f"{_flag(name)} has no effect with --method {cfg.method} (its {switch}): "
+                          f"drop {_flag(name)}")
     if cfg.resume and not cfg.reproduce:
         cfg, saved = resume_config(cfg, parse_args(argv, typed_only=True))
     return check_config(cfg), saved
@@ -796,6 +811,8 @@ def check_config(cfg):
     rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
     _require(cfg.row is None or cfg.row in rows, f"--row {cfg.row}: --reproduce {cfg.reproduce} "
              f"has the rows {', '.join(rows) or 'of a table: add --reproduce NAME'}")
+    _require(cfg.reproduce or not cfg.dry_run, "--dry-run lists the rows of --reproduce NAME and "
+             "trains nothing: add --reproduce NAME, or drop --dry-run to train")
     return _check_device(cfg)
 
 
@@ -1340,8 +1357,9 @@ def plot(results, out):
         print("matplotlib is not installed: no plots (results.json has the numbers)")
         return
     plot_trajectory(plt, results, os.path.join(out, "trajectory.png"))
-    plot_violation(plt, results["runs"][0], os.path.join(out, "violation.png"))
-    if not plot_angular(plt, results["runs"][0], os.path.join(out, "angular.png")):
+    first, config = results["runs"][0], results["config"]
+    plot_violation(plt, first, config, os.path.join(out, "violation.png"))
+    if not plot_angular(plt, first, config, os.path.join(out, "angular.png")):
         print("angular.png not drawn: one task has no old prototypes")
     plt.close("all")
 
@@ -1370,10 +1388,13 @@ def plot_trajectory(plt, results, path):
     fig.savefig(path, dpi=120)
 
 
-def plot_violation(plt, run, path):
+def plot_violation(plt, run, config, path):
     """Paper Fig. 2 per block (from 1), mean over tasks 2..T: ||dW M|| / ||dW|| against the memory
     and ||X_past dW^T|| / sqrt(n) on the past tasks' test inputs."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig.suptitle(f"{_title(config)}\nsmall: the task's update leaves the protected inputs' outputs "
+                 "alone (left: the memory's directions; right: the past tasks' test inputs)",
+                 fontsize=9)
     past = {n: [[i["past"][2 * b + j] for b in range(len(i["past"]) // 2)]
                 for i in run["interference"] if i] for j, n in enumerate("kv")}
     panels = ((axes[0], run["violation"], "||dW M|| / ||dW|| (against the memory)"),
@@ -1392,31 +1413,40 @@ def plot_violation(plt, run, path):
         else:  # no memory (OE off), or a single task: nothing is defined
             ax.text(0.5, 0.5, "undefined: no memory or one task", ha="center",
                     transform=ax.transAxes)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))  # below the two-line suptitle
     fig.savefig(path, dpi=120)
 
 
-def plot_angular(plt, run, path):
+def plot_angular(plt, run, config, path):
     """Paper Fig. 3 and the appendix's density: the last task's samples, cos_old against cos_own,
     and each task's density of cos_old (DML pushes it below the margin)."""
     tasks = [(t + 1, g) for t, g in enumerate(run["geometry"]) if g]
     if not tasks:
         return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
+    fig.suptitle(_title(config), fontsize=9)
     t, g = tasks[-1]
+    values = g["cos_old"] + g["cos_own"]
+    lo = min(values) - 0.05  # both axes: the data's range with a margin, square
+    hi = max(values) + 0.05
     left.scatter(g["cos_old"], g["cos_own"], s=6, alpha=0.5)
+    left.plot([lo, hi], [lo, hi], "k--", lw=0.8,
+              label=f"cos_old = cos_own; below, closer to old: {g['closer_to_old']:.3f}")
     left.axvline(0.5, color="red", ls="--", label=f"danger zone > 0.5: {g['danger']:.3f}")
     left.axvline(0.2, color="green", ls=":", label=f"safe < 0.2: {g['safe']:.3f}")
     left.set(xlabel="cos_old: largest similarity to an old prototype",
-             ylabel="cos_own: similarity to its own prototype", xlim=(-0.2, 1), ylim=(-0.2, 1),
-             title=f"seed {run['seed']}, task {t}'s test samples; cos_old > cos_own: "
-                   f"{g['closer_to_old']:.3f}")
+             ylabel="cos_own: similarity to its own prototype", xlim=(lo, hi), ylim=(lo, hi),
+             title=f"seed {run['seed']}, task {t}'s test samples")
     left.legend(fontsize=8)
+    width = 2 / len(g["hist"])  # the bins of dml_geometry's histogram over [-1, 1]
+    used = []  # the centres of the bins that hold samples
     for t, g in tasks:
-        bins = torch.linspace(-1, 1, len(g["hist"]) + 1)
-        right.plot((bins[1:] + bins[:-1]) / 2, g["hist"], label=f"task {t}")
-    right.set(xlabel="cos_old", ylabel="share of the task's test samples", xlim=(-0.2, 1),
-              title="density of cos_old per task")
+        centres = [-1 + width * (i + 0.5) for i in range(len(g["hist"]))]
+        right.plot(centres, g["hist"], "o-", ms=3, label=f"task {t}")
+        used += [c for c, share in zip(centres, g["hist"]) if share > 0]
+    right.set(xlabel="cos_old", ylabel=f"share of the task's test samples per bin (width {width})",
+              xlim=(max(min(used) - width, -1), min(max(used) + width, 1)),
+              title="cos_old per task: the share of its test samples in each bin")
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -1599,12 +1629,31 @@ PAPER = {
         "k25": (None, None, -7.41), "k100": (None, None, -4.14)}),
     ("lambda", "imagenet-r", 10): ("the appendix's text", {
         "l0.5": (None, None, -5.50), "l2.0": (None, None, -6.62)}),
+    ("margin", "imagenet-r", 10): ("Fig. 4b, drawn only: its source quotes no value", {}),
 }
 
 
-def to_argv(cfg, skip=("reproduce", "row", "dry_run", "out", "resume", "method")):
-    """The flags that give cfg again: every field that differs from its default."""
-    argv = []
+def paper_note(name, dataset, tasks):
+    """Whether the paper gives numbers for --reproduce NAME on this data set and T, or where."""
+    source, rows = PAPER.get((name, dataset, tasks), (None, {}))
+    if rows:
+        return f"the paper's numbers: {source}"
+    note = f"the paper gives no numbers for {dataset}, T={tasks}"
+    if source:  # the setting of a figure whose values its source does not quote
+        note += f" ({source})"
+    where = [(d, t, s) for (n, d, t), (s, _) in PAPER.items()
+             if n == name and (d, t) != (dataset, tasks)]
+    if not where:
+        return note
+    settings = ", ".join(f"{d}, T={t} ({s})" for d, t, s in where)
+    return f"{note}; its settings for this set: {settings}: add --dataset {where[0][0]} " \
+        f"--tasks {where[0][1]}"
+
+
+def to_argv(cfg, drop=()):
+    """The flags that give cfg again: every field that differs from its default, but those of the
+    mode and those named in drop."""
+    argv, skip = [], ("reproduce", "row", "dry_run", "out", "resume", "method", *drop)
     for f in fields(Config):
         value = getattr(cfg, f.name)
         if f.name in skip or value == f.default or isinstance(value, list) and \
@@ -1620,18 +1669,22 @@ def to_argv(cfg, skip=("reproduce", "row", "dry_run", "out", "resume", "method")
 def reproduce(cfg, argv=None):
     """Each row into OUT/<row>/, with the flags given and the row's: a finished row is skipped, an
     interrupted one resumed; then the table of whichever rows have finished."""
-    given = to_argv(parse_args(argv))  # the flags as typed, before the data set's defaults
+    typed = parse_args(argv, typed_only=True)
     what, rows = REPRODUCE[cfg.reproduce]
     out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
-    print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows into {out}")
+    print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows on {cfg.dataset}, T={cfg.tasks}, "
+          f"into {_q(out)}; {paper_note(cfg.reproduce, cfg.dataset, cfg.tasks)}")
     for row in [cfg.row] if cfg.row else rows:
         folder = os.path.join(out, row)
         if not cfg.dry_run and set(cfg.seeds) <= {r["seed"] for r in _row_runs(folder)}:
             print(f"{row}: finished before, skipped")
             continue
         interrupted = os.path.exists(os.path.join(folder, "checkpoint.pt"))  # continues from there
-        row_argv = given + rows[row] + ["--resume" if interrupted else "--out", folder]
-        print(f"{row}: python janus_min.py {' '.join(row_argv)}")
+        # the flags typed (before the data set's defaults) but those the row's preset makes moot
+        useless = meaningless({**typed, **parse_args(rows[row], typed_only=True)})
+        row_argv = to_argv(parse_args(argv), useless) + rows[row] + [
+            "--resume" if interrupted else "--out", folder]
+        print(f"{row}: python janus_min.py {shlex.join(row_argv)}")  # quoted: it pastes
         if cfg.dry_run:
             continue
         code = main(row_argv)
@@ -1667,7 +1720,7 @@ def write_table(cfg, out, rows):
     source, paper = PAPER.get((cfg.reproduce, cfg.dataset, cfg.tasks), (None, {}))
     table = {"reproduce": cfg.reproduce, "what": REPRODUCE[cfg.reproduce][0],
              "dataset": cfg.dataset, "tasks": cfg.tasks, "paper_source": source, "rows": {},
-             "missing": []}
+             "missing": [], "paper_note": paper_note(cfg.reproduce, cfg.dataset, cfg.tasks)}
     for row, flags in rows.items():
         runs = _row_runs(os.path.join(out, row))
         if not runs:
@@ -1689,7 +1742,8 @@ def _table_md(table):
         return f"{v[0]:.2f} ± {v[1]:.2f}"
     source = table["paper_source"] or "none for this data set and T"
     lines = [f"# --reproduce {table['reproduce']}: {table['what']}",
-             f"{table['dataset']}, T = {table['tasks']}; ours: mean ± std over seeds.", "",
+             f"{table['dataset']}, T = {table['tasks']}; {table['paper_note']}; ours: mean ± std "
+             "over seeds.", "",
              "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
              "task-aware BWT | violation | interference | danger share | s / task | "
              f"the paper's ACC / MAA / BWT ({source}) |", "|" + "---|" * 14]

@@ -13,6 +13,7 @@ import math
 import pickle
 import re
 import shutil
+import shlex
 import signal
 import socket
 import struct
@@ -381,6 +382,8 @@ def test_task_classes_partition_and_errors():
     for classes, tasks in [(100, 7), (10, 0), (10, -2)]:
         with pytest.raises(data.DataError, match='divisor'):
             data.task_classes(classes, tasks)
+    with pytest.raises(data.DataError, match='one class per task'):
+        data.task_classes(10, 10)
 
 
 def test_unknown_dataset_lists_the_known_ones():
@@ -1465,6 +1468,9 @@ TINY = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "-
         "--workers", "0", "--lr", "5e-3", "--device", "cpu"]  # the CPU: its numbers are compared
 
 
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "  # log.txt's, before each line
+
+
 def _results(folder):
     with open(folder / "results.json") as f:
         return json.load(f)
@@ -1542,7 +1548,7 @@ def test_each_epoch_runs_at_the_schedules_lr(tiny_run):
 def test_the_loop_learns_each_task(tiny_run):
     """Chance is 25% within a task, and its test images number 32 per task: a mean diagonal of 50
     is over five standard deviations above chance, which wrong labels, heads or optimizer wiring
-    give. Measured diagonal 100, 96.9, 87.5 (seed 0, CPU, torch 2.14); the GPU machine's CPU
+    give. Measured diagonal 100, 96.9, 84.4 (seed 0, CPU, torch 2.14); the GPU machine's CPU
     (torch 2.11, 16 threads) gave 75 on task 1: 24 steps from random weights vary by platform."""
     A = tiny_run["res"]["runs"][0]["acc_matrix"]
     assert sum(A[t][t] for t in range(3)) / 3 >= 50
@@ -1600,6 +1606,8 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
     if method == "janus-rolling":
         monkeypatch.setattr(jm, "train_step", train_step)
     argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1") + ["--method", method]
+    if method not in ("janus", "janus-rolling"):  # without OE, --k is refused
+        argv = argv[:argv.index("--k")] + argv[argv.index("--k") + 2:]
     assert jm.main(argv + ["--out", str(tmp_path)]) == 0
     r = _results(tmp_path)["runs"][0]
     assert {k: r[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(r["acc_matrix"]))
@@ -1631,6 +1639,20 @@ def test_progress_lines_come_every_30_s_with_an_eta_that_counts_evaluation(monke
     assert capsys.readouterr().out == "task 1/2 epoch 1/1: 3/9 steps  ETA 0.6 min\n"
 
 
+def test_evaluation_and_the_prototypes_pass_show_progress_too(tmp_path, monkeypatch, capsys):
+    """With a line due after every batch: the passes that do not train say how far they are, in
+    the console and in log.txt, and the ETA reaches 0 with the last test image of the run."""
+    monkeypatch.setattr(jm.Clock.__init__, "__defaults__", (0.0,))  # every: a line each batch
+    argv = _flag(_flag(TINY, "--tasks", "2"), "--epochs", "1")  # 6 classes: 144 / 48 images a task
+    assert jm.main(argv + ["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    log = (tmp_path / "log.txt").read_text()
+    for line in ("evaluation: 8/48 images  ETA", "evaluation: 48/48 images  ETA",
+                 "task 2's prototypes: 144/144 images  ETA",
+                 "evaluation: 96/96 images  ETA 0.0 min"):
+        assert f"\n{line}" in out and re.search(rf"^{STAMP}{line}", log, re.M), line
+
+
 def test_every_console_line_goes_to_log_txt_after_a_timestamp(tmp_path):
     console = io.StringIO()
     with open(tmp_path / "log.txt", "w") as log:
@@ -1638,8 +1660,7 @@ def test_every_console_line_goes_to_log_txt_after_a_timestamp(tmp_path):
         print("one\ntw", end="", file=tee)
         print("o", file=tee)
     assert console.getvalue() == "one\ntwo\n"
-    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d  "
-    assert re.fullmatch(f"{stamp}one\n{stamp}two\n", (tmp_path / "log.txt").read_text())
+    assert re.fullmatch(f"{STAMP}one\n{STAMP}two\n", (tmp_path / "log.txt").read_text())
 
 
 def test_help_lists_every_flag_by_group_with_examples(capsys):
@@ -1652,16 +1673,46 @@ def test_help_lists_every_flag_by_group_with_examples(capsys):
     assert all(jm._flag(name) in out or "--no-" + name in out for name in grouped)
 
 
+def test_help_names_readme_sections_that_exist(capsys):
+    with pytest.raises(SystemExit):
+        jm.main(["--help"])
+    named = re.findall(r"README, '(.+?)'\)", " ".join(capsys.readouterr().out.split()))
+    readme = Path(jm.__file__).with_name("README.md").read_text(encoding="utf-8")
+    titles = [line.lstrip("#").strip() for line in readme.splitlines() if line.startswith("#")]
+    assert len(named) == 2 and all(any(t.startswith(n) for t in titles) for n in named), named
+
+
 @pytest.mark.parametrize("memory", [True, False])
-def test_plots_when_matplotlib_is_installed(tiny_run, tmp_path, memory):
-    """The three plots, also of a run without a memory (every ||dW M|| undefined: a note)."""
-    pytest.importorskip("matplotlib")  # optional: without it a one-line note instead
+def test_plots_when_matplotlib_is_installed(tiny_run, tmp_path, monkeypatch, memory):
+    """The three plots, also of a run without a memory (every ||dW M|| undefined: a note); each
+    names its data set, T and configuration; angular.png draws cos_old = cos_own within axes
+    scaled to the data, and says what its right panel plots."""
+    matplotlib = pytest.importorskip("matplotlib")  # optional: without it a one-line note instead
     res = copy.deepcopy(tiny_run["res"])
     if not memory:
         res["runs"][0]["violation"] = {n: [[None] * 12] * 3 for n in "kv"}
+    figures = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        figures[os.path.basename(path)] = fig
+        return real_savefig(fig, path, **kwargs)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     jm.plot(res, str(tmp_path))
     for name in ("trajectory.png", "violation.png", "angular.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        fig = figures[name]
+        titles = " ".join([fig.get_suptitle()] + [ax.get_title() for ax in fig.axes])
+        assert jm._title(res["config"]) in titles and "synthetic, T=3" in titles, name
+    assert "small: the task's update leaves" in figures["violation.png"].get_suptitle()
+    left, right = figures["angular.png"].axes
+    g = res["runs"][0]["geometry"][-1]
+    values = g["cos_old"] + g["cos_own"]
+    assert left.get_xlim() == left.get_ylim() == pytest.approx((min(values) - 0.05,
+                                                                max(values) + 0.05))
+    assert any(list(line.get_xdata()) == list(line.get_ydata()) == list(left.get_xlim())
+               for line in left.lines)  # the diagonal, corner to corner
+    assert "per bin" in right.get_ylabel() and "in each bin" in right.get_title()
 
 
 @pytest.mark.parametrize("stop, code", [("ctrl-c", 130), ("sigterm", 143)])
@@ -1684,6 +1735,10 @@ def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeyp
     monkeypatch.setattr(jm, "evaluate", real_evaluate)
     said = capsys.readouterr().out
     assert f"continue with: python janus_min.py --resume {tmp_path / 'b'}" in said
+    name = {"ctrl-c": "Ctrl-C", "sigterm": "SIGTERM"}[stop]  # the same line in log.txt, stamped
+    assert re.search(rf"^{STAMP}interrupted \({name}\): .* continue with: python janus_min.py "
+                     rf"--resume {re.escape(str(tmp_path / 'b'))}$",
+                     (tmp_path / "b" / "log.txt").read_text(), re.M)
     assert not (tmp_path / "b" / "results.json").exists()
     assert not (tmp_path / "b" / "run.lock").exists()  # released on the way out
     ckpt = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)
@@ -1729,6 +1784,24 @@ def test_a_second_run_on_the_same_folder_is_refused_until_its_lock_is_gone(tmp_p
     assert run["BWT"] is None and _results(folder)["summary"]["BWT"]["mean"] is None  # one task
 
 
+def test_resume_of_a_busy_folder_is_refused_before_anything_loads(tiny_run, tmp_path, monkeypatch,
+                                                                  capsys):
+    """The lock is checked before the data and the backbone load, and the advice is --resume's."""
+    folder = tmp_path / "busy"
+    shutil.copytree(tiny_run["out"], folder)
+    (folder / "run.lock").write_text("process 4242 on elsewhere")
+    loaded = []
+
+    def load_dataset(*args, **kwargs):
+        loaded.append(args)
+    monkeypatch.setattr(data, "load_dataset", load_dataset)
+    assert jm.main(["--resume", str(folder)]) == 2 and not loaded
+    err = capsys.readouterr().err
+    assert "in use by the run of process 4242 on elsewhere" in err and "--out" not in err
+    assert "wait for it to end or stop it, then run --resume again" in err
+    assert (folder / "run.lock").read_text() == "process 4242 on elsewhere"
+
+
 @pytest.mark.parametrize("flag", ["--out", "--resume"])
 def test_an_unwritable_folder_is_refused_before_anything_loads(tiny_run, tmp_path, monkeypatch,
                                                                 capsys, flag):
@@ -1764,6 +1837,22 @@ def test_reproduce_dry_run_lists_the_ablations_seven_rows(capsys):
         assert line.endswith(f"--dataset imagenet-r {flags[row]} --out R/{row}".replace("  ", " "))
 
 
+def test_reproduce_says_its_data_set_and_t_and_whether_the_paper_gives_numbers(capsys):
+    for name in jm.REPRODUCE:  # without --dataset: CIFAR-100, T=10; the paper's numbers for some
+        assert jm.main(["--reproduce", name, "--dry-run", "--out", "R"]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert "rows on cifar100, T=10, into R; " in head
+        given = name in ("methods", "oe-vs-gpm")  # the others' numbers: ImageNet-R, T=10
+        assert ("the paper's numbers: Table" in head) == given, head
+        assert ("add --dataset imagenet-r --tasks 10" in head) != given, head
+    assert head.endswith("the paper gives no numbers for cifar100, T=10; its settings for this "
+                         "set: imagenet-r, T=10 (Tables 2 and 4): add --dataset imagenet-r "
+                         "--tasks 10")  # the last set's, backbones
+    assert jm.main(["--reproduce", "ablation", "--dataset", "imagenet-r", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("T=10, into runs/ablation-imagenet-r-"
+                                                            "T10; the paper's numbers: Table 1")
+
+
 def test_reproduce_resumes_and_writes_the_table(tmp_path, monkeypatch, capsys):
     """Interrupted during its second row, --reproduce skips the finished first row when started
     again, continues the second, and writes table.md from both."""
@@ -1782,6 +1871,8 @@ def test_reproduce_resumes_and_writes_the_table(tmp_path, monkeypatch, capsys):
     assert calls == [False, True, True]  # lora-gpm once; lora-gpm-gr interrupted, then run
     assert "lora-gpm: finished before, skipped" in capsys.readouterr().out
     table = (tmp_path / "table.md").read_text()
+    assert "synthetic, T = 2; the paper gives no numbers for synthetic, T=2; its settings for " \
+        "this set: imagenet-r, T=10 (Fig. 6, as printed on the figure): add --dataset" in table
     assert "| lora-gpm | `--method lora-gpm` | 1 |" in table and "| lora-gpm-gr |" in table
     assert set(json.loads((tmp_path / "table.json").read_text())["rows"]) == {"lora-gpm",
                                                                               "lora-gpm-gr"}
@@ -1792,6 +1883,7 @@ def bad_files(tmp_path_factory, small):
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "empty").mkdir()
     (tmp / "junk.pth").write_bytes(b"this is not a checkpoint" * 10)
+    (tmp / "text.pth").write_text("hello world\nline two\n")  # torch.load: KeyError 101
     (tmp / "trunc.pth").write_bytes(small["paths"]["timm"].read_bytes()[:5000])
     (tmp / "noresume").mkdir()
     (tmp / "oldformat").mkdir()
@@ -1827,12 +1919,15 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "fashion-missing": (["--dataset", "fashion-mnist", "--data-dir", "{tmp}/none"], "--data-dir"),
     "weights-truncated": (CKPT + ["--weights", "{tmp}/trunc.pth"], "trunc.pth"),
     "weights-junk": (CKPT + ["--weights", "{tmp}/junk.pth"], "junk.pth"),
+    "weights-a-text-file": (CKPT + ["--weights", "{tmp}/text.pth"], "text.pth is not a checkpoint: "
+                            "neither a zip (torch.save), a pickle, an .npz nor a .safetensors"),
     "weights-misfit": (CKPT + ["--weights", "SMALL"], "does not fit this ViT"),
     "input-range-of-a-file": (CKPT + ["--weights", "SMALL", "--input-range", "checkpoint"],
                               "--input-range half"),
     "k-zero": (TINY + ["--k", "0"], "--k"), "k-too-wide": (TINY + ["--k", "193"], "--k"),
     "rank-zero": (TINY + ["--rank", "0"], "--rank"),
     "tasks-not-dividing": (TINY + ["--tasks", "5"], "does not divide"),
+    "tasks-of-one-class": (TINY + ["--tasks", "12"], "--tasks 12 leaves one class per task"),
     "epochs-zero": (TINY + ["--epochs", "0"], "--epochs"),
     "batch-zero": (TINY + ["--batch-size", "0"], "--batch-size"),
     "lr-negative": (TINY + ["--lr", "-1"], "--lr"),
@@ -1864,6 +1959,10 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp} is the bad_files
     "out-under-a-file": (TINY + ["--out", "{tmp}/afile/run"], "afile is a file, not a folder"),
     "reproduce-unknown-row": (TINY + ["--reproduce", "gr-plugin", "--row", "7"],
                               "has the rows lora-gpm, lora-gpm-gr"),
+    "dry-run-without-reproduce": (TINY + ["--dry-run"], "add --reproduce NAME, or drop --dry-run"),
+    "dry-run-with-method": (["--method", "finetune", "--dry-run"], "drop --dry-run to train"),
+    "flag-a-preset-makes-meaningless": (["--method", "finetune", "--memory", "gpm"], "--memory "
+                                        "has no effect with --method finetune (its --no-oe)"),
 }
 
 
@@ -1941,6 +2040,29 @@ def test_reproduce_row_runs_that_row_alone(capsys):
     assert jm.main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
     assert rows == ["lora-gpm-gr: python janus_min.py --method lora-gpm-gr --out R/lora-gpm-gr"]
+
+
+def test_reproduce_leaves_out_the_flags_a_rows_preset_makes_meaningless(capsys):
+    """The README shares --k 32 among --reproduce's rows: a preset without OE's basis (finetune,
+    GPM's memory) or without DML does not get --k or --margin, and each command runs as printed."""
+    assert jm.main(["--reproduce", "methods", "--k", "32", "--margin", "0.2", "--dry-run"]) == 0
+    lines = [line.split(": python janus_min.py ") for line in capsys.readouterr().out.splitlines()]
+    rows = {line[0]: shlex.split(line[1]) for line in lines if len(line) == 2}
+    assert [argv[:-2] for argv in rows.values()] == [["--method", "finetune"],
+                                                     ["--method", "lora-gpm"],
+                                                     ["--method", "inflora"],
+                                                     ["--k", "32", "--margin", "0.2", "--method",
+                                                      "janus"]]
+    assert all(jm.configure(argv)[0].method == row for row, argv in rows.items())
+    assert jm.configure(["--method", "lora-gpm", "--memory", "oe", "--k", "16"])[0].k == 16
+
+
+def test_reproduce_prints_commands_that_paste_with_a_space_in_out(capsys):
+    assert jm.main(["--reproduce", "gr-plugin", "--dry-run", "--out", "dir x/abl"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if ": python janus_min" in line]
+    argvs = [shlex.split(line.partition(": python janus_min.py ")[2]) for line in rows]
+    rows = ("lora-gpm", "lora-gpm-gr")
+    assert argvs == [["--method", m, "--out", f"dir x/abl/{m}"] for m in rows]
 
 
 @pytest.mark.parametrize("flags, mean_std", [

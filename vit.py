@@ -237,6 +237,10 @@ def _read(path):
                     return {k: torch.from_numpy(z[k]) for k in z.files}, 'npz'
         if head[8:9] == b'{':
             return _read_safetensors(path), 'safetensors'
+        if head[:2] != b'PK' and head[:1] != b'\x80':  # torch.save's zip, or its legacy pickle
+            raise CheckpointError(f'{path} is not a checkpoint: neither a zip (torch.save), a '
+                                  'pickle, an .npz nor a .safetensors file; pass a ViT checkpoint '
+                                  'with --weights PATH.')
         sd = torch.load(path, map_location='cpu', weights_only=True)
     except CheckpointError:
         raise
