@@ -652,6 +652,7 @@ def main(argv=None):
 # --reproduce with the paper's numbers. Nothing above needs it to be understood.
 # ██████████████████████████████████████████████████████████████████████████████████████████████████
 import argparse  # noqa: E402 -- the program's own tools, which Part 1 does not use
+import errno  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
@@ -918,12 +919,13 @@ def save_file(path, write):
     tmp = path + ".tmp"
     try:
         write(tmp)
-    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
         if os.path.exists(tmp):
             os.remove(tmp)
-        why = "the disk is full" if getattr(e, "errno", None) == 28 else "is the disk full?"
-        raise DiskFull(f"{_q(path)} could not be written ({why}: {type(e).__name__}); the "
-                       "last complete one is kept") from None
+        full = isinstance(e, RuntimeError) or e.errno == errno.ENOSPC
+        why = "the disk is full" if full else e.strerror or type(e).__name__
+        raise DiskFull(f"{_q(path)} could not be written: {why}; the last complete one is "
+                       "kept") from None
     os.replace(tmp, path)
 
 

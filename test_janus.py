@@ -1337,8 +1337,8 @@ def test_compiled_blocks_give_the_same_step(monkeypatch):
 
 
 def test_interference_on_activations_equals_the_dense_computation():
-    """Probe, its pass over the seen test images: per layer, ||X dW^T||_F / sqrt(tokens) over the past
-    tasks' test inputs and over the current task's, with X the block's K/V input and dW = s B A."""
+    """Probe, its pass over the seen test images: per layer, ||X dW^T||_F / sqrt(tokens) over the
+    past tasks' test inputs and over the current task's, with X the block's K/V input, dW = s B A."""
     torch.manual_seed(9)
     model = vit.vit_tiny_patch16(depth=2, img_size=32, patch_size=8).eval()
     factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
@@ -1749,6 +1749,62 @@ def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeyp
         assert a[key] == b[key]
     log = (tmp_path / "b" / "log.txt").read_text()
     assert "task 2 accuracy" in log and "seed 0: resumed after task 2" in log  # appended
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
+                                     RuntimeError("[enforce fail at inline_container.cc:778] . "
+                                                  "unexpected pos 6784 vs 6672")])
+def test_a_full_disk_keeps_the_last_checkpoint_and_says_how_to_go_on(tmp_path, monkeypatch, capsys,
+                                                                     failure):
+    """The disk fills while task 2's checkpoint.pt is written (torch.save raises as it does then):
+    one line that says so and how to continue, exit 1, task 1's checkpoint.pt intact, no .tmp left;
+    --resume then finishes the run."""
+    real_save, saves = torch.save, []
+
+    def save(obj, path):
+        saves.append(path)
+        if len(saves) == 2:  # task 2's checkpoint: the disk is full half-way through
+            Path(path).write_bytes(b"PK\x03\x04 half a file")
+            raise failure
+        return real_save(obj, path)
+    monkeypatch.setattr(torch, "save", save)
+    out = tmp_path / "full"
+    assert jm.main(TINY + ["--out", str(out)]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
+    assert "disk is full" in err[0] and f"--resume {out}" in err[0]
+    assert not (out / "checkpoint.pt.tmp").exists() and not (out / "run.lock").exists()
+    assert len(torch.load(out / "checkpoint.pt", weights_only=True)["current"]["acc"]) == 1
+    monkeypatch.setattr(torch, "save", real_save)
+    assert jm.main(["--resume", str(out)]) == 0 and len(_results(out)["runs"][0]["acc_matrix"]) == 3
+
+
+def test_ctrl_c_while_the_data_loads_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the data set loads: one line, exit 130, and the folder left as it was."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "load_dataset", interrupted)
+    assert jm.main(TINY + ["--out", str(tmp_path / "new")]) == 130
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert err == ["interrupted (Ctrl-C) while starting: nothing was saved"]
+    assert not (tmp_path / "new").exists()
+
+
+def test_ctrl_c_while_torch_loads_says_so_in_one_line():
+    """Ctrl-C during `import torch`, the first seconds of `python janus_min.py`: one line, exit 130,
+    no traceback. The interrupt is raised by an import hook, so it falls inside the import."""
+    code = ("import runpy, sys\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "sys.argv = ['janus_min.py', '--help']\n"
+            "runpy.run_path('janus_min.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(jm.__file__).parent)
+    assert done.returncode == 130 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "interrupted (Ctrl-C) while starting: nothing was saved"
 
 
 def test_ctrl_c_in_the_first_task_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
