@@ -646,11 +646,11 @@ def main(argv=None):
     return run.exit_code
 
 
-# ██████████████████████████████████████████████████████████████████████████████████████████████████
+####################################################################################################
 # PART 2. The program around the method: the flags and their checks, the run folder (resume,
 # checkpoint, lock, signals), results and plots, the analyses' recording, the benchmark, and
 # --reproduce with the paper's numbers. Nothing above needs it to be understood.
-# ██████████████████████████████████████████████████████████████████████████████████████████████████
+####################################################################################################
 import argparse  # noqa: E402 -- the program's own tools, which Part 1 does not use
 import errno  # noqa: E402
 import json  # noqa: E402
@@ -760,12 +760,14 @@ def meaningless(typed):
 def configure(argv=None):
     """The command line's Config, checked; with --resume, the run's own (what is typed must agree)
     and its checkpoint."""
-    cfg, saved = parse_args(argv), None
-    for name, switch in meaningless(parse_args(argv, typed_only=True)).items():  # the first told
+    cfg = parse_args(argv)
+    typed = parse_args(argv, typed_only=True)
+    for name, switch in meaningless(typed).items():  # the first is enough to act on
         raise ConfigError(f"{_flag(name)} has no effect with --method {cfg.method} (its {switch}): "
                           f"drop {_flag(name)}")
+    saved = None
     if cfg.resume and not cfg.reproduce:
-        cfg, saved = resume_config(cfg, parse_args(argv, typed_only=True))
+        cfg, saved = resume_config(cfg, typed)
     return check_config(cfg), saved
 
 

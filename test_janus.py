@@ -1338,7 +1338,7 @@ def test_compiled_blocks_give_the_same_step(monkeypatch):
 
 def test_interference_on_activations_equals_the_dense_computation():
     """Probe, its pass over the seen test images: per layer, ||X dW^T||_F / sqrt(tokens) over the
-    past tasks' test inputs and over the current task's, with X the block's K/V input, dW = s B A."""
+    past tasks' test inputs and over the current task's; X: the block's K/V input, dW = s B A."""
     torch.manual_seed(9)
     model = vit.vit_tiny_patch16(depth=2, img_size=32, patch_size=8).eval()
     factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
