@@ -73,8 +73,8 @@ class Config:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase)",
                           choices=["bf16", "fp32"])
-    compile: str = _opt("auto", "on: compiled blocks, on CUDA a CUDA graph a step (ours); auto: on "
-                        "with CUDA", choices=["auto", "on", "off"], nargs="?", const="on")
+    compile: str = _opt("off", "on: compiled ViT blocks, and on CUDA each step a CUDA graph (ours; "
+                        "README, 'Speed')", choices=["on", "off"], nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
     resume: str = _opt(None, "continue the run in this folder after its last finished task")
     # output, and the other modes
@@ -418,14 +418,16 @@ def train_task(learner, t, tasks, splits, cfg, clock):
                               cfg.workers, seed, cfg.device)
     params = [p for p in learner.model.lora_parameters() if p.requires_grad]
     params += learner.heads[-1].parameters()
-    cuda = cfg.device.startswith("cuda")  # Adam's lr a tensor, which a CUDA graph reads as it is
-    opt = torch.optim.Adam(params, lr=torch.tensor(cfg.lr, device=cfg.device), capturable=cuda)
-    step_fn = StepGraph(train_step) if cuda and cfg.compile == "on" else train_step  # ours: speed
+    graphed = cfg.compile == "on" and cfg.device.startswith("cuda")  # ours, for speed (StepGraph)
+    lr = torch.tensor(cfg.lr, device=cfg.device) if graphed else cfg.lr  # a graph reads a tensor
+    opt = torch.optim.Adam(params, lr=lr, capturable=graphed)  # betas (0.9, 0.999), as InfLoRA
+    step_fn = StepGraph(train_step) if graphed else train_step
     learner.throughput.append([])
     first_loss = None
     for epoch in range(cfg.epochs):
-        for group in opt.param_groups:  # in place: a CUDA graph replays the lr tensor
-            group["lr"].fill_(cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule))
+        lr = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
+        for group in opt.param_groups:  # a graph's lr tensor changes in place, as it replays it
+            group["lr"] = group["lr"].fill_(lr) if graphed else lr
         start = time.time()
         loss_sum, correct, seen = 0.0, 0, 0
         for step, (images, y) in enumerate(loader, 1):
@@ -825,8 +827,6 @@ def _check_device(cfg):
              and cfg.device[5:].isdigit(), f"--device {cfg.device}: use auto, cpu, cuda or cuda:N")
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.compile == "auto":  # the fastest setting measured on CUDA (README, "Speed")
-        cfg.compile = "on" if cfg.device.startswith("cuda") else "off"
     gpus = torch.cuda.device_count()
     _require(not cfg.device.startswith("cuda") or int(cfg.device.partition(":")[2] or 0) < gpus,
              f"--device {cfg.device} asked for, but torch sees {gpus} GPU(s); use --device cpu or "
@@ -865,7 +865,7 @@ def resume_config(cfg, typed):
     _require(set(seeds) >= set(saved["seeds"]), f"--resume {_q(folder)}: its seeds are "
              f"{' '.join(map(str, saved['seeds']))}; give those (and more, to add seeds) or none")
     free = dict(device=typed.get("device", "auto"), workers=typed.get("workers"),
-                compile=typed.get("compile", "auto"), seeds=seeds)
+                compile=typed.get("compile", saved["compile"]), seeds=seeds)
     return Config(**{**saved, **free, "out": folder, "resume": folder}), ckpt
 
 
@@ -1542,9 +1542,10 @@ def bench_step(cfg, base, change, m, C):
     if vcfg.memory == "oe-rolling":  # V itself, as start_task sets it
         learner.memory = list(learner.oe.basis.clone())
     params = learner.model.lora_parameters() + list(learner.heads[-1].parameters())
-    cuda = vcfg.device.startswith("cuda")  # as train_task's
-    opt = torch.optim.Adam(params, lr=torch.tensor(vcfg.lr, device=vcfg.device), capturable=cuda)
-    step_fn = StepGraph(train_step) if cuda and vcfg.compile == "on" else train_step
+    graphed = vcfg.compile == "on" and vcfg.device.startswith("cuda")  # as train_task's
+    lr = torch.tensor(vcfg.lr, device=vcfg.device) if graphed else vcfg.lr
+    opt = torch.optim.Adam(params, lr=lr, capturable=graphed)
+    step_fn = StepGraph(train_step) if graphed else train_step
 
     def step(images, y):
         return step_fn(learner, opt, images, y, vcfg)
