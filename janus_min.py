@@ -89,8 +89,8 @@ class Config:
 
 # ==== The paper's method (Sec. 3), in the order of "The Integrated Janus-LoRA Update Process" ====
 def train_step(learner, opt, images, y, cfg):
-    """One training step, steps (1)-(5) of "The Integrated Janus-LoRA Update Process". learner: the
-    ViT with its LoRA pairs, the task's head (heads[-1]), OE (oe), each block's protected memory M
+    """One training step, "The Integrated Janus-LoRA Update Process" in (1)-(5), our numbering. The
+    learner: the ViT and its LoRA pairs, the task's head (heads[-1]), OE (oe), each block's memory M
     (memory: the finished tasks' OE bases, which end_task merges; none in task 1), DML's old
     prototypes. y: labels within the task. Returns the loss and the number right, as tensors."""
     model, head = learner.model, learner.heads[-1]
@@ -100,7 +100,7 @@ def train_step(learner, opt, images, y, cfg):
     # (1) the total loss, Eq. (12): the current head's cross-entropy plus lambda * DML, Eq. (11).
     # The LoRA layers take M in this forward pass: that is where step (3) is prepared.
     with autocast(images.device, cfg):  # bf16 on CUDA (ours)
-        z, kv_inputs = model.encode(images, learner.memory)  # kv_inputs: (B, N, D) per block
+        z, kv_inputs = model.encode(images, learner.memory)  # kv_inputs: (B, N+1, D) per block
     z = z.float()
     logits = head(z)
     loss = F.cross_entropy(logits, y)
@@ -113,9 +113,10 @@ def train_step(learner, opt, images, y, cfg):
     if cfg.oe and cfg.memory != "gpm":
         learner.oe.update(kv_inputs, learner.memory if cfg.memory == "oe" else None)
     del kv_inputs  # released before the backward pass peaks
-    # (2) the raw gradient G = dL/dW of each K/V layer, and with it (3) the safe gradient of
-    # Theorem 1, Eq. (3), G_safe = G (I - M M^T): vit.LoRALinear.forward held A's part in span(M)
-    # constant, so backward returns the factor gradients of G_safe, s B^T G_safe and s G_safe A^T.
+    # (2) the raw gradient G = dL/dW of each K/V layer (the paper's dW_orig = -lr G; (3)-(7) are
+    # linear in it), and with it (3) Theorem 1's safe gradient, Eq. (3), G_safe = G (I - M M^T):
+    # vit.LoRALinear.forward held A's part in span(M) constant, so backward returns G_safe's factor
+    # gradients, s B^T G_safe and s G_safe A^T.
     opt.zero_grad(set_to_none=True)
     loss.backward()
     # (4) GR, Eqs. (5)-(7): factor gradients whose composite s (B dA + dB A) best matches G_safe
@@ -169,7 +170,7 @@ class OnlineSubspace:
     @torch.no_grad()
     def update(self, X, memory=None):
         """One step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2; ours: X_p = X (I - M M^T), X all the
-        batch's tokens, (B, N, D) per block (one (n, D) unbatched); memory: M (D, m) per block."""
+        batch's tokens, (B, N+1, D) per block (or (n, D) unbatched); memory: M (D, m) a block."""
         V, M = self.basis, _stacked(memory)
         if V.shape[-1] == 0:  # a full memory: nothing left to learn
             return
@@ -287,8 +288,8 @@ def rectified_adam_step_(opt, layers, memory, delta):
 
 @torch.no_grad()
 def rectify_updates_(layers, before, memories, delta):
-    """Rectify the step Adam took from `before` (each layer's (A, B)): the composite step
-    s (B dA + dB A) is projected by Theorem 1, rectified, and split with the least norm."""
+    """Under --rectify update (not the default): the step Adam took from `before`, each layer's
+    (A, B), as s (B dA + dB A), projected by Theorem 1, rectified, and split with the least norm."""
     A0 = torch.stack([a for a, _ in before])  # (L, r, d_in)
     B0 = torch.stack([b for _, b in before])  # (L, d_out, r)
     s = layers[0].scale
