@@ -1,15 +1,14 @@
-"""Data sets and class-incremental task splits for the Janus-LoRA reference implementation.
+"""Data sets, class-incremental task splits and seeded loaders for the Janus-LoRA reference code.
 
 Protocol: the InfLoRA codebase (Liang & Li, CVPR 2024; github.com/liangyanshuo/InfLoRA), on which
-the paper ran: classes in natural order, T equal tasks of contiguous class ids, no exemplars.
-Sources, in data_dir (the README's "Offline" table says where each file goes):
-- cifar100: https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz (torchvision downloads it;
-  its pickled folder is read here).
+the paper ran: classes in natural order, T equal tasks of contiguous class ids, no exemplars, its
+transforms. Sources, in data_dir (the README's "Offline" table says where each file goes):
+- cifar100: https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz, read as its pickled folder.
 - imagenet-r: https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar (Hendrycks et al., ICCV
-  2021), split 80/20 here; a ready-made imagenet-r/train/ + test/ (LAE's) is used as it is.
+  2021), split 80/20 per class here; a ready-made imagenet-r/train/ + test/ (LAE's) is used as is.
 - domainnet: http://ai.bu.edu/M3SDA/ (Peng et al., ICCV 2019), the official per-domain lists.
 - imagenet100: ILSVRC-2012 (https://image-net.org) as train/<wnid>/, val/<wnid>/.
-- fashion-mnist: the four idx .gz files (Xiao et al., 2017); synthetic: generated from the seed.
+- fashion-mnist: the four idx files (Xiao et al., 2017); synthetic: generated from the seed.
 """
 import gzip
 import json
@@ -20,28 +19,22 @@ import shutil
 import struct
 import tarfile
 from collections import namedtuple
-from functools import partial
+from contextlib import contextmanager
 from pathlib import Path
-from urllib.error import URLError
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import transforms as T
-from torchvision.datasets import CIFAR100, FashionMNIST
+from torchvision.datasets import FashionMNIST
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
-from torchvision.datasets.utils import check_integrity, download_url, extract_archive
+from torchvision.datasets.utils import download_url, extract_archive
 
 
 class DataError(Exception):
     """A data set is missing, incomplete or corrupt, or the task split is impossible."""
-
-
-def quoted(path):
-    """A path as one shell word, so that a suggested command can be pasted as it is."""
-    return shlex.quote(str(path))
 
 
 # Tasks, epochs, batch size and resolution of the paper and InfLoRA's configs (ImageNet-R also runs
@@ -52,14 +45,14 @@ DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=
                 ('cifar100', 100, 10, 20, 128, 224), ('imagenet-r', 200, 10, 50, 128, 224),
                 ('domainnet', 345, 5, 5, 128, 224), ('imagenet100', 100, 10, 10, 128, 224),
                 ('fashion-mnist', 10, 5, 1, 128, 224), ('synthetic', 12, 3, 20, 16, 64)]}
+CIFAR100_URL = 'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz'
 IMAGENET_R_URL = 'https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar'
 DOMAINS = ('clipart', 'infograph', 'painting', 'quickdraw', 'real', 'sketch')
 FASHION_FILES = ('train-images-idx3-ubyte.gz', 'train-labels-idx1-ubyte.gz',
                  't10k-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz')
 SPLIT_SEED = 0  # the ImageNet-R split belongs to the benchmark: fixed, whatever the run's seed
-
 # train: the training transform; train_eval: the same images, test transform (class prototypes)
-Splits = namedtuple('Splits', 'train train_eval test num_classes class_names')
+Splits = namedtuple('Splits', 'train train_eval test num_classes')
 
 
 class _Images(Dataset):
@@ -84,62 +77,52 @@ class _Images(Dataset):
         return self.transform(img), self.targets[i]
 
 
-def _fetch(action, what, root, source, download, hint='', made=()):
-    """Run a download; its failure, or downloads being off, becomes one DataError saying what to
-    do. made: the folders below root that the download may create, deepest first."""
-    new = [d for d in [root / m for m in made] + [root] if not d.exists()]
+@contextmanager
+def _reading(what, fix):
+    """Any failure to read `what` (missing, incomplete, corrupt) as one DataError: why, and fix."""
     try:
-        if not download:
-            raise FileNotFoundError('downloads are off')
-        return action()
-    except (URLError, OSError, RuntimeError, EOFError, tarfile.TarError) as err:
-        for d in new:  # the failed download made these folders: leave none of them behind empty
-            if d.is_dir() and not any(d.iterdir()):
-                d.rmdir()
-        raise DataError(f'{what} is missing from {root} and could not be downloaded '
-                        f'({" ".join(str(err).split())}): put {source} there and pass --data-dir '
-                        f'{quoted(root)}{hint}.') from None
+        yield
+    except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, RuntimeError,
+            struct.error, pickle.UnpicklingError, tarfile.TarError) as err:
+        why = ' '.join(f'{type(err).__name__}: {err}'.split())  # on one line
+        raise DataError(f'{what} cannot be read ({why}): {fix}.') from None
 
 
-def _cifar100(root, seed, download):
-    folder = root / CIFAR100.base_folder
-    if not folder.is_dir():  # absent: download it, or unpack an archive the user put there
-        archive = root / CIFAR100.filename
-        if archive.is_file() and not check_integrity(str(archive), CIFAR100.tgz_md5):
-            raise DataError(f'{archive} is incomplete or corrupt (its MD5 is not '
-                            f'{CIFAR100.tgz_md5}): delete it and fetch it again from '
-                            f'{CIFAR100.url}.')  # else torchvision would download it again
-        _fetch(partial(CIFAR100, str(root), download=True),
-               f'CIFAR-100 ({CIFAR100.base_folder}/ or {CIFAR100.filename})', root, CIFAR100.url,
-               download or archive.is_file())
-    return _read_cifar100(folder)
+def _unpack(root, url, name, download):
+    """root/name from url's archive in root, downloaded first where absent if download; unpacked
+    beside it and renamed when whole, so that a bad archive leaves no half folder behind."""
+    archive = root / url.rsplit('/', 1)[1]
+    if download and not archive.is_file():
+        download_url(url, str(root))
+    if archive.is_file():  # else neither folder nor archive: reading the folder says so
+        tmp = root / f'.{name}.{os.getpid()}'  # one per process: two runs never share it
+        try:
+            with _reading(archive, f'delete it and fetch it again from {url}'):
+                extract_archive(str(archive), str(tmp))
+            (tmp / name).rename(root / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _read_cifar100(folder):
-    """The pickled cifar-100-python folder, read as torchvision reads it but without its MD5 check
-    of every load, so that a copy written in the same format (a generated one, say) loads too."""
+def _cifar100(root, download):
+    """The pickled cifar-100-python folder in root, or root itself, read as torchvision reads it
+    but without its MD5 check, so that a copy in the same format (a generated one) loads too."""
+    folder = root if (root / 'meta').is_file() else root / 'cifar-100-python'
+    if not folder.is_dir():
+        _unpack(root, CIFAR100_URL, folder.name, download)
     parts = []
-    try:
-        for name in ('train', 'test'):
-            with open(folder / name, 'rb') as f:
-                entry = pickle.load(f, encoding='latin1')
+    for part in ('train', 'test'):
+        raw = (folder / part).read_bytes()
+        with _reading(folder / part, 'delete it and fetch it again'):
+            entry = pickle.loads(raw, encoding='latin1')
             x = np.asarray(entry['data'], np.uint8).reshape(-1, 3, 32, 32)  # (N, 3, H, W) rows
             x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))  # (N, H, W, 3), as torchvision's
             parts.append((x, list(entry['fine_labels'])))
-        with open(folder / 'meta', 'rb') as f:
-            names = pickle.load(f, encoding='latin1')['fine_label_names']
-    except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as e:
-        raise DataError(f'{folder} cannot be read as CIFAR-100 ({type(e).__name__}: {e}): delete '
-                        f'it and fetch {CIFAR100.url} again.') from None
-    if any(len(x) != len(y) for x, y in parts):
-        raise DataError(f'{folder} holds unequal numbers of images and labels: fetch it again.')
-    return parts, names
+    return parts
 
 
 def _ls(folder, dirs=False):
     """Sorted names of folder's subfolders (dirs) or image files, hidden ones left out."""
-    if not folder.is_dir():
-        return []
     return sorted(p.name for p in folder.iterdir() if p.name[0] != '.' and
                   (p.is_dir() if dirs else p.name.lower().endswith(IMG_EXTENSIONS)))
 
@@ -150,159 +133,94 @@ def _folder(root, wnids):
     return [p for p, _ in pairs], [y for _, y in pairs]
 
 
-def _unpack_imagenet_r(root, download):
-    folder, tar = root / 'imagenet-r', root / 'imagenet-r.tar'
-    if not folder.is_dir() and not tar.is_file():
-        _fetch(partial(download_url, IMAGENET_R_URL, str(root)),
-               'ImageNet-R (imagenet-r/ or imagenet-r.tar)', root, IMAGENET_R_URL, download)
-    if not folder.is_dir():  # unpacked beside it, renamed when whole: a bad tar leaves no half
-        tmp = root / f'.imagenet-r.{os.getpid()}'  # one per process: two runs never share it
-        try:
-            extract_archive(str(tar), str(tmp))
-            (tmp / 'imagenet-r').rename(folder)
-        except (OSError, EOFError, tarfile.TarError) as err:
-            raise DataError(f'{tar} could not be unpacked ({err}): if it is incomplete or corrupt, '
-                            f'delete it and fetch it again from {IMAGENET_R_URL}.') from None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+def _imagenet_r(root, download):
+    """imagenet-r/train/ + test/ as they are, else imagenet-r/<wnid>/, split 80/20 per class."""
+    folder = root / 'imagenet-r'
+    if not folder.is_dir():
+        _unpack(root, IMAGENET_R_URL, folder.name, download)
+    if (folder / 'train').is_dir() and (folder / 'test').is_dir():
+        wnids = _ls(folder / 'train', dirs=True)
+        return [_folder(folder / part, wnids) for part in ('train', 'test')]
+    wnids = _ls(folder, dirs=True)
+    split, label = _split_imagenet_r(folder, wnids), {w: y for y, w in enumerate(wnids)}
+    return [([str(folder / p) for p in split[part]], [label[p.split('/')[0]] for p in split[part]])
+            for part in ('train', 'test')]
 
 
-def _split_imagenet_r(folder, wnids, split_file):
-    """{'train': [...], 'test': [...]} of '<wnid>/<file>': saved, or drawn 80/20 per class."""
-    if not split_file.is_file():
-        # Stratified per class (classes hold ~50 to 400+ images), from sorted paths and a seeded
-        # generator: one split on every machine.
-        gen, split = torch.Generator().manual_seed(SPLIT_SEED), {'train': [], 'test': []}
-        for w in wnids:
-            files = [f'{w}/{f}' for f in _ls(folder / w)]
-            order = torch.randperm(len(files), generator=gen).tolist()
-            n_test = round(0.2 * len(files))  # the protocol's 80/20
-            split['test'] += [files[i] for i in order[:n_test]]
-            split['train'] += [files[i] for i in order[n_test:]]
-        if os.access(split_file.parent, os.W_OK):  # a read-only copy goes without: inspection only
-            split_file.write_text(json.dumps(split, indent=0))
+def _split_imagenet_r(folder, wnids):
+    """{'train': [...], 'test': [...]} of '<wnid>/<file>': the one saved beside folder, or drawn
+    80/20 per class and saved."""
+    split_file = folder.parent / 'imagenet-r_split.json'
+    if split_file.is_file():
+        with _reading(split_file, 'delete it to split again'):
+            split = json.loads(split_file.read_text(encoding='utf-8'))
+            paths = split['train'] + split['test']  # a TypeError unless two lists
+            missing = next((p for p in paths if not (folder / p).is_file()), None)
+            if missing is not None:  # now, not as a FileNotFoundError hours into training
+                raise ValueError(f'it lists {folder / missing}, which is missing')
+            if {p.split('/')[0] for p in paths} != set(wnids):
+                raise ValueError(f'its classes are not the class folders in {folder}')
         return split
-    try:  # anything but {"train": [str, ...], "test": [str, ...]} is corrupt or another's file
-        split = json.loads(split_file.read_text(encoding='utf-8'))
-        valid = all(type(split[k]) is list and all(type(p) is str for p in split[k])
-                    for k in ('train', 'test'))
-    except (ValueError, TypeError, KeyError):  # ValueError: not JSON, or not UTF-8
-        valid = False
-    if not valid:
-        raise DataError(f'{split_file} is not a train/test split of ImageNet-R: delete it to split '
-                        'again.')
+    # Stratified per class (classes hold ~50 to 400+ images), from sorted paths and a seeded
+    # generator: one split on every machine.
+    gen, split = torch.Generator().manual_seed(SPLIT_SEED), {'train': [], 'test': []}
+    for w in wnids:
+        files = [f'{w}/{f}' for f in _ls(folder / w)]
+        order = torch.randperm(len(files), generator=gen).tolist()
+        n_test = round(0.2 * len(files))  # the protocol's 80/20
+        split['test'] += [files[i] for i in order[:n_test]]
+        split['train'] += [files[i] for i in order[n_test:]]
+    if os.access(split_file.parent, os.W_OK):  # a read-only copy goes without: inspection only
+        split_file.write_text(json.dumps(split, indent=0))
     return split
 
 
-def _imagenet_r(root, seed, download):
-    folder = _unpack_imagenet_r(root, download)
-    if (folder / 'train').is_dir() and (folder / 'test').is_dir():
-        wnids = _ls(folder / 'train', True)
-        return [_folder(folder / part, wnids) for part in ('train', 'test')], wnids
-    wnids, split_file = _ls(folder, True), root / 'imagenet-r_split.json'
-    split, label = _split_imagenet_r(folder, wnids, split_file), {w: y for y, w in enumerate(wnids)}
-    paths = split['train'] + split['test']
-    if {p.split('/')[0] for p in paths} != set(wnids):
-        raise DataError(f'{split_file} does not match the class folders in {folder}: delete it to '
-                        'split again.')
-    missing = next((p for p in paths if not os.path.isfile(folder / p)), None)
-    if missing:  # now, not as a FileNotFoundError hours into training
-        raise DataError(f'{folder / missing}, listed in {split_file}, is missing: delete '
-                        f'{split_file.name} to split again.')
-    return [([str(folder / p) for p in split[part]], [label[p.split('/')[0]] for p in split[part]])
-            for part in ('train', 'test')], wnids
-
-
-def _domainnet(root, seed, download):
-    parts, names = [], {}
+def _domainnet(root, download):
+    """The official lists <domain>_<train|test>.txt of lines '<domain>/<class>/<file> <label>'."""
+    parts = []
     for part in ('train', 'test'):
         paths, labels = [], []
         for listing in (root / f'{domain}_{part}.txt' for domain in DOMAINS):
-            if not listing.is_file():
-                raise DataError(f'DomainNet list {listing.name} is missing from {root}: put the '
-                                'six domain folders and their lists from http://ai.bu.edu/M3SDA/ '
-                                f'there and pass --data-dir {quoted(root)}.')
-            try:
-                lines = listing.read_text(encoding='utf-8').splitlines()
-            except UnicodeDecodeError:
-                raise DataError(f'{listing} is not a UTF-8 text list: fetch it again.') from None
-            for n, line in enumerate(lines, 1):
-                fields = line.rsplit(maxsplit=1)
-                if len(fields) != 2 or not fields[1].isdigit() or fields[0].count('/') < 2:
-                    raise DataError(f'line {n} of {listing} is not "domain/class/file.jpg label": '
-                                    'fetch it again.')
-                paths.append(str(root / fields[0]))
-                labels.append(int(fields[1]))
-                names.setdefault(labels[-1], fields[0].split('/')[1])
+            raw = listing.read_bytes()
+            with _reading(listing, 'fetch it again'):
+                for line in raw.decode('utf-8').splitlines():
+                    path, label = line.rsplit(maxsplit=1)  # a ValueError unless 'path label'
+                    paths.append(str(root / path))
+                    labels.append(int(label))
         parts.append((paths, labels))
     # every listed image, now rather than hours into training: ~2 s for DomainNet's 590k, once
     missing = next((p for paths, _ in parts for p in paths if not os.path.isfile(p)), None)
     if missing:
-        raise DataError(f'DomainNet image {missing} is listed but missing: unpack all six domain '
-                        f'folders from http://ai.bu.edu/M3SDA/ into {root}.')
-    return parts, [names.get(y, '?') for y in range(max(names, default=-1) + 1)]
+        raise FileNotFoundError(f'{missing} is listed but missing')
+    return parts
 
 
-def _imagenet100(root, seed, download):
+def _imagenet100(root, download):
     """Our class list: the wnids in imagenet100_classes.txt if there, else train/'s first 100."""
     class_file = root / 'imagenet100_classes.txt'
     listed = class_file.is_file()
-    wnids = class_file.read_text().split() if listed else _ls(root / 'train', True)[:100]
-    for path in [root / part / w for part in ('train', 'val') for w in wnids or ['<wnid>']]:
-        if not path.is_dir():
-            raise DataError(f'ImageNet-100 folder {path} is missing: put ILSVRC-2012 from '
-                            f'https://image-net.org in {root} as train/<wnid>/ and val/<wnid>/ and '
-                            f'pass --data-dir {quoted(root)}.')
-    return [_folder(root / part, wnids) for part in ('train', 'val')], wnids
+    wnids = class_file.read_text().split() if listed else _ls(root / 'train', dirs=True)[:100]
+    return [_folder(root / part, wnids) for part in ('train', 'val')]
 
 
-def _read_idx(path):
-    """uint8 array of an idx file, gzipped or not: magic 0x000008NN (uint8, NN dims), a uint32
-    per dim, the data."""
-    try:
-        with (gzip.open if path.suffix == '.gz' else open)(path, 'rb') as f:
-            raw = f.read()
-    except (OSError, EOFError) as err:
-        raise DataError(f'{path} is not a complete gzip file ({err}): fetch it again.') from None
-    dims = raw[3] if len(raw) >= 4 and raw[:3] == b'\0\0\x08' else 0
-    shape = struct.unpack(f'>{dims}I', raw[4:4 + 4 * dims]) if len(raw) >= 4 + 4 * dims else ()
-    if not dims or len(shape) != dims or len(raw) != 4 + 4 * dims + int(np.prod(shape)):
-        raise DataError(f'{path} is not a complete idx file (wrong header or length): fetch it '
-                        'again.')
-    return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
-
-
-def _idx_files(folder):
-    """The four files in folder, each gzipped or unpacked (its name without .gz); None if any is
-    missing."""
-    found = [next((p for p in (folder / f, folder / f[:-3]) if p.is_file()), None)
-             for f in FASHION_FILES]
-    return None if None in found else found
-
-
-def _fashion_mnist(root, seed, download):
-    raw = root / 'FashionMNIST' / 'raw'  # where torchvision downloads to
-    files = _idx_files(root) or _idx_files(raw)
-    if files is None:
-        first = next(f for f in FASHION_FILES if not (root / f).is_file())
-        _fetch(partial(FashionMNIST, str(root), download=True), f'Fashion-MNIST file {first}', root,
-               f'the four idx .gz files from {FashionMNIST.mirrors[0]}', download,
-               " (or install Debian's dataset-fashion-mnist and pass --data-dir "
-               "/usr/share/datasets/fashion-mnist)", made=('FashionMNIST/raw', 'FashionMNIST'))
-        files = _idx_files(raw)
-    parts = []
-    for images, labels in (files[:2], files[2:]):
-        x, y = _read_idx(images), _read_idx(labels)
-        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or y.max(initial=0) >= 10:
-            raise DataError(f'{images.name} and {labels.name} in {images.parent} do not match as '
-                            'Fashion-MNIST: fetch them again.')
-        parts.append((x, y.tolist()))
-    if len(parts[0][1]) < len(parts[1][1]):  # 60,000 training images, 10,000 test ones
-        raise DataError(f'{files[0].name} holds fewer images ({len(parts[0][1])}) than '
-                        f'{files[2].name} ({len(parts[1][1])}) in {files[0].parent}: the training '
-                        'and test files are swapped; rename them.')
-    return parts, FashionMNIST.classes
+def _fashion_mnist(root, download):
+    """The four idx files, gzipped or not, in root or in root/FashionMNIST/raw/ (torchvision's).
+    idx: magic 0x000008NN (uint8 data, NN dims), a big-endian uint32 per dim, the data."""
+    folders = [root, root / 'FashionMNIST' / 'raw']
+    idx = lambda folder, f: folder / f[:-3] if (folder / f[:-3]).is_file() else folder / f
+    if download and not any(idx(d, FASHION_FILES[0]).is_file() for d in folders):
+        FashionMNIST(str(root), download=True)
+    folder = next((d for d in folders if idx(d, FASHION_FILES[0]).is_file()), root)
+    arrays = []
+    for path in (idx(folder, f) for f in FASHION_FILES):
+        raw = path.read_bytes()
+        with _reading(path, 'delete it and fetch it again'):
+            raw = gzip.decompress(raw) if path.suffix == '.gz' else raw
+            if raw[:3] != b'\0\0\x08':
+                raise ValueError('not an idx file of uint8')
+            shape = struct.unpack(f'>{raw[3]}I', raw[4:4 + 4 * raw[3]])
+            arrays.append(np.frombuffer(raw, np.uint8, offset=4 + 4 * raw[3]).reshape(shape))
+    return [(arrays[0], arrays[1].tolist()), (arrays[2], arrays[3].tolist())]
 
 
 def _synthetic(img_size, seed, per_class=(24, 8)):
@@ -320,34 +238,35 @@ def _synthetic(img_size, seed, per_class=(24, 8)):
                             for c, m in zip(labels, moves)])
         imgs = imgs + 0.1 * torch.randn(imgs.shape, generator=gen)  # noise std 0.1 on [0, 1]
         parts.append(((imgs.clamp(0, 1) * 255).round().to(torch.uint8), labels.tolist()))
-    return parts, [f'class{c:02d}' for c in range(classes)]
+    return parts
 
 
-_LOADERS = {'cifar100': _cifar100, 'imagenet-r': _imagenet_r, 'domainnet': _domainnet,
-            'imagenet100': _imagenet100, 'fashion-mnist': _fashion_mnist}
+# a file-based set's loader, and what to put in --data-dir where it is missing
+_LOADERS = {
+    'cifar100': (_cifar100, f'cifar-100-python/ or its archive from {CIFAR100_URL}'),
+    'imagenet-r': (_imagenet_r, f'imagenet-r/ or imagenet-r.tar from {IMAGENET_R_URL}'),
+    'domainnet': (_domainnet, 'the six domain folders and lists from http://ai.bu.edu/M3SDA/'),
+    'imagenet100': (_imagenet100, 'ILSVRC-2012 (https://image-net.org) as train/<wnid>/, val/'),
+    'fashion-mnist': (_fashion_mnist, f'the four idx .gz files from {FashionMNIST.mirrors[0]} (or '
+                      "install Debian's dataset-fashion-mnist: /usr/share/datasets/fashion-mnist)")}
 
 
 def _transforms(name, img_size, mean, std):
-    """(train, test) after InfLoRA: RandomResizedCrop + flip to train; to test, Resize (CIFAR) or
-    Resize(256) + CenterCrop(224) scaled by img_size / 224 (the others)."""
+    """((train, test) transforms, (train, test) `Batched` specs of an in-memory set, else None)
+    after InfLoRA: RandomResizedCrop + flip to train; to test, Resize (CIFAR) or Resize(256) +
+    CenterCrop(224) scaled by img_size / 224 (the others). Ours: synthetic as it is; Fashion-MNIST
+    with no random crop, which can cut away much of a small centred item."""
     norm, square = T.Normalize(mean, std), [T.Resize((img_size, img_size))]
+    plain = Batched(img_size, False, False, mean, std)  # no crop, no flip
     if name == 'synthetic':
-        return norm, norm
+        return (norm, norm), (plain, plain)
     crop = [T.Resize(round(256 * img_size / 224)), T.CenterCrop(img_size)]
     test = square if name in ('cifar100', 'fashion-mnist') else crop
-    # Fashion-MNIST (ours): no random crop, which can cut away much of a small centred item
     train = square if name == 'fashion-mnist' else [T.RandomResizedCrop(img_size)]
     tail = [T.ToTensor(), norm]
-    return T.Compose(train + [T.RandomHorizontalFlip()] + tail), T.Compose(test + tail)
-
-
-def _batched(name, img_size, mean, std):
-    """(train, test) of _transforms as `Batched` specs for an in-memory set; (None, None) else."""
-    if name not in ('cifar100', 'fashion-mnist', 'synthetic'):
-        return None, None
-    augment = name != 'synthetic'
-    return (Batched(img_size, name == 'cifar100', augment, mean, std),
-            Batched(img_size, False, False, mean, std))
+    tfs = T.Compose(train + [T.RandomHorizontalFlip()] + tail), T.Compose(test + tail)
+    specs = Batched(img_size, name == 'cifar100', True, mean, std), plain  # cropped: CIFAR only
+    return tfs, specs if name in ('cifar100', 'fashion-mnist') else (None, None)
 
 
 def _thin(source, targets, limit, seed):
@@ -363,42 +282,41 @@ def _thin(source, targets, limit, seed):
 
 
 def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=None, download=True):
-    """Splits(train, train_eval, test, num_classes, class_names) of a data set in DATASETS;
-    limit_per_class thins the training set only, so accuracies stay comparable."""
+    """Splits(train, train_eval, test, num_classes) of a data set in DATASETS; limit_per_class
+    thins the training set only, so accuracies stay comparable."""
     if name not in DATASETS:
         raise DataError(f'unknown dataset {name!r}: choose one of {", ".join(DATASETS)}.')
-    if data_dir is None and name != 'synthetic':
-        raise DataError(f'{name} needs --data-dir, the folder that holds (or will hold) its files.')
+    classes = DATASETS[name]['num_classes']
     if name == 'synthetic':
-        ((train, train_y), (test, test_y)), names = _synthetic(img_size, seed)
+        (train, train_y), (test, test_y) = _synthetic(img_size, seed)
+    elif data_dir is None:
+        raise DataError(f'{name} needs --data-dir, the folder that holds (or will hold) its files.')
     else:
         root = Path(data_dir).expanduser().resolve()
-        if root.is_file():
-            raise DataError(f'--data-dir {quoted(root)} is a file: pass the folder that holds (or '
-                            f'will hold) the files of {name}.')
-        ((train, train_y), (test, test_y)), names = _LOADERS[name](root, seed, download)
-        found, expected = len(set(train_y) | set(test_y)), DATASETS[name]['num_classes']
-        if found != expected or len(names) != expected:
-            raise DataError(f'{name} in {root} has {found} classes, not {expected}: the copy is '
-                            'incomplete or another.')
+        loader, source = _LOADERS[name]
+        with _reading(f'{name} in {root}', f'put {source} there and pass --data-dir '
+                      f'{shlex.quote(str(root))}'):
+            (train, train_y), (test, test_y) = loader(root, download)
+            if len(train) != len(train_y) or len(test) != len(test_y):
+                raise ValueError('its numbers of images and labels differ')
+            if not set(train_y) == set(test_y) == set(range(classes)):
+                raise ValueError(f'{len(set(train_y))} training and {len(set(test_y))} test '
+                                 f'classes, not {classes}: incomplete, or another data set')
     if limit_per_class is not None:
         train, train_y = _thin(train, train_y, limit_per_class, seed)
-    train_tf, test_tf = _transforms(name, img_size, mean, std)
-    train_b, test_b = _batched(name, img_size, mean, std)
+    (train_tf, test_tf), (train_b, test_b) = _transforms(name, img_size, mean, std)
     return Splits(_Images(train, train_y, train_tf, train_b),
                   _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),
-                  len(names), list(names))
+                  classes)
 
 
 def task_classes(num_classes, tasks):
     """T lists of contiguous class ids in natural order (InfLoRA's protocol)."""
-    if tasks < 1 or num_classes % tasks:
-        raise DataError(f'--tasks {tasks} does not divide the {num_classes} classes evenly: pick a '
-                        f'divisor of {num_classes}.')
-    if num_classes == tasks:  # a head of one class: its cross-entropy is 0, its accuracy 100%
-        raise DataError(f'--tasks {tasks} leaves one class per task, which a head cannot get '
-                        f'wrong: pick a divisor of {num_classes} up to {num_classes // 2}.')
-    per = num_classes // tasks
+    per = num_classes // max(tasks, 1)
+    if per < 2 or per * tasks != num_classes:  # a head of one class: loss 0, accuracy 100%
+        raise DataError(f'--tasks {tasks} does not split the {num_classes} classes into equal '
+                        f'tasks of two or more: pick a divisor of {num_classes} up to '
+                        f'{num_classes // 2}.')
     return [list(range(t * per, (t + 1) * per)) for t in range(tasks)]
 
 
@@ -411,38 +329,27 @@ def subset(ds, classes):
     return part
 
 
-class _SeededSampler(Sampler):
-    """Each epoch, from one generator in the main process: the order and a seed per sample for its
-    augmentation. Batches and augmentations then depend on the seed alone, not on --workers."""
-
-    def __init__(self, n, shuffle, seed):
-        self.n, self.shuffle = n, shuffle
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        order = torch.randperm(self.n, generator=self.gen) if self.shuffle else torch.arange(self.n)
-        seeds = torch.randint(0, 2**62, (self.n,), generator=self.gen)
-        return iter(zip(order.tolist(), seeds.tolist()))
-
-
 class _Seeded(Dataset):
-    """ds[i] under torch's generator seeded with s, for (i, s) from `_SeededSampler`; fork_rng
-    restores the generator, so loading in the main process leaves the run's draws alone."""
+    """ds, and its own sampler: each epoch one generator in the main process draws the order and a
+    seed per sample, and ds[i] is made under its seed, so batches and augmentations depend on the
+    seed alone, not on --workers. fork_rng restores torch's generator: the run's draws stay."""
 
-    def __init__(self, ds):
-        self.ds = ds
+    def __init__(self, ds, shuffle, seed):
+        self.ds, self.shuffle, self.gen = ds, shuffle, torch.Generator().manual_seed(seed)
 
     def __len__(self):
         return len(self.ds)
 
+    def __iter__(self):
+        n = len(self.ds)
+        order = torch.randperm(n, generator=self.gen) if self.shuffle else torch.arange(n)
+        seeds = torch.randint(0, 2**62, (n,), generator=self.gen)
+        return iter(zip(order.tolist(), seeds.tolist()))
+
     def __getitem__(self, item):
-        i, s = item
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s)
-            return self.ds[i]
+            torch.manual_seed(item[1])
+            return self.ds[item[0]]
 
 
 def make_loader(ds, batch_size, train, workers, seed, device=None):
@@ -453,8 +360,8 @@ def make_loader(ds, batch_size, train, workers, seed, device=None):
     # (~1,950 on 1) against ~1,000 from PIL in 2 workers
     if getattr(ds.dataset if isinstance(ds, Subset) else ds, 'batched', None) is not None:
         return DeviceLoader(ds, batch_size, train, seed, torch.device(device or 'cpu'))
-    sampler = _SeededSampler(len(ds), train, seed)
-    return DataLoader(_Seeded(ds), batch_size=batch_size, sampler=sampler, num_workers=workers,
+    seeded = _Seeded(ds, train, seed)
+    return DataLoader(seeded, batch_size=batch_size, sampler=seeded, num_workers=workers,
                       pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
                       generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
 

@@ -1,12 +1,9 @@
-"""Janus-LoRA (ICML 2026), minimal: class-incremental learning with a frozen ViT and LoRA on K and V,
-stable by Online Estimation (OE) and Gradient Rectification (GR), plastic by the Decoupled Margin
-Loss (DML). Part 1, read top-down beside the paper's Sec. 3: the configuration, one training step,
-the method's pieces in the order the step calls them, our --rectify update, the baselines, the task
-loop and `main`. Part 2, after its banner: the program around it. Equations are numbered as in the
-paper's LaTeX source; the README lists where we read the paper differently.
-References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
-ICML 2026; InfLoRA (Liang & Li, CVPR 2024), whose protocol the paper follows; GPM (Saha et al.,
-ICLR 2021); LoRA-Pro (Wang et al., ICLR 2025)."""
+"""Janus-LoRA (ICML 2026), minimal: class-incremental learning with a frozen ViT and LoRA on K and
+V, made stable by Online Estimation (OE) and Gradient Rectification (GR), plastic by the Decoupled
+Margin Loss (DML). Part 1 reads top-down beside the paper's Sec. 3: the configuration, one training
+step, the pieces it calls, our --rectify update, the baselines, the task loop, `main`. Part 2 is the
+program around it. Equations are numbered as in the paper's LaTeX source. References: C. Chen et
+al., "JANUS-LoRA", ICML 2026; InfLoRA (Liang & Li, CVPR 2024), whose protocol the paper follows."""
 import argparse
 import copy
 import json
@@ -44,8 +41,8 @@ class Config:
     batch_size: int = _opt(None, "batch size (default: 128, Sec. 4.1; synthetic 16)")
     img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class")
-    input_range: str = _opt("unit", "unit: [0, 1], as InfLoRA's code; checkpoint: as --weights was "
-                            "trained", choices=["unit", "checkpoint", "half", "imagenet"])
+    input_range: str = _opt("unit", "unit: [0, 1], as InfLoRA's code; checkpoint: as --weights's",
+                            choices=["unit", "checkpoint", "half", "imagenet"])
     # the backbone and its LoRA pairs (Sec. 3.1, 4.1)
     model: str = _opt("vit_base", "backbone (the paper's: ViT-B/16)", choices=list(vit.PRESETS))
     weights: str = _opt("in21k", "in21k (paper), sam, dino (Table 4), torchvision, none, or a file")
@@ -55,8 +52,8 @@ class Config:
     # the method (Sec. 3 and 4.1), and our readings where the paper is silent (README)
     method: str = _opt(None, "a method of the paper's tables, as a preset of flags put first")
     lr: float = _opt(5e-4, "Adam's learning rate (Sec. 4.1; the InfLoRA codebase)")
-    schedule: str = _opt("inflora", "lr per epoch: inflora, the codebase's quarter cosine; "
-                         "cosine, a half cosine to 0", choices=["inflora", "cosine"])
+    schedule: str = _opt("inflora", "lr per epoch: InfLoRA's quarter cosine, or a half cosine",
+                         choices=["inflora", "cosine"])
     k: int = _opt(50, "rank k of the OE basis V of each block and task (Sec. 4.1)")
     oe_lr: float = _opt(1.0, "OE's step eta at a task's start; 1: subspace iteration (ours)")
     oe_decay_steps: int = _opt(5, "OE's step halves after this many, then decays as 1/t (ours)")
@@ -67,33 +64,30 @@ class Config:
     oe: bool = _opt(True, "Online Estimation and the safe gradient (Table 1's ablation)")
     gr: bool = _opt(True, "Gradient Rectification (Table 1's ablation)")
     dml: bool = _opt(True, "the Decoupled Margin Loss (Table 1's ablation)")
-    rectify: str = _opt("grad", "grad: GR's gradients go to Adam (the paper's); update: GR acts on "
-                        "Adam's step (ours)", choices=["grad", "update"])
-    memory: str = _opt("oe", "protected memory M: oe, each task's basis joins it (ours); "
-                       "oe-rolling, V itself (the paper's words); gpm",
-                       choices=["oe", "oe-rolling", "gpm"])
-    gpm_threshold: list = _opt(None, "GPM's energy share at task 1 and at the end (InfLoRA's; "
-                               "default 0.95 1, ImageNet-R 0.98 1)", nargs=2, type=float)
-    lora_a: str = _opt("trained", "each task's A: trained (the paper's), or designed off the "
-                       "memory and frozen (InfLoRA)", choices=["trained", "inflora"])
+    rectify: str = _opt("grad", "GR on the gradients Adam takes (the paper's) or on Adam's step "
+                        "(ours)", choices=["grad", "update"])
+    memory: str = _opt("oe", "memory M: each task's OE basis joins it (ours), V itself (the "
+                       "paper's words), or GPM's", choices=["oe", "oe-rolling", "gpm"])
+    gpm_threshold: list = _opt(None, "GPM's energy share at task 1 and at the end (InfLoRA's: "
+                               "0.95 1, ImageNet-R 0.98 1)", nargs=2, type=float)
+    lora_a: str = _opt("trained", "each task's A: trained (the paper's), or off M and frozen "
+                       "(InfLoRA)", choices=["trained", "inflora"])
     # the run
     seeds: list = _opt((0,), "seeds; several give mean +- std (the paper: 5)", nargs="+", type=int)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
-    precision: str = _opt("bf16", "on CUDA: bf16 autocast (ours) or fp32 (the InfLoRA codebase); "
-                          "the CPU runs fp32", choices=["bf16", "fp32"])
-    compile: str = _opt("off", "on: compiled ViT blocks, and on CUDA each step a CUDA graph "
-                        "(ours)", choices=["on", "off"], nargs="?", const="on")
+    precision: str = _opt("bf16", "CUDA's: bf16 autocast (ours) or fp32 (InfLoRA's); CPU: fp32",
+                          choices=["bf16", "fp32"])
+    compile: str = _opt("off", "on: compiled ViT blocks, on CUDA a step as a CUDA graph (ours)",
+                        choices=["on", "off"], nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
     out: str = _opt(None, "output folder (default runs/<dataset>-<time>)")
     resume: str = _opt(None, "continue the run in this folder after its last finished task")
     # the other modes
     benchmark: bool = _opt(False, "time plain LoRA and Janus steps, then exit", action="store_true")
     steps: int = _opt(20, "--benchmark: timed rounds (after 5 warm-up steps)")
-    reproduce: str = _opt(None, "run every row of a table or figure of the paper into --out, then "
-                          "write its table.md")
+    reproduce: str = _opt(None, "run each row of a table or figure of the paper, then table.md")
     row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
-    dry_run: bool = _opt(False, "with --reproduce: print the rows' commands only",
-                         action="store_true")
+    dry_run: bool = _opt(False, "with --reproduce: print the rows' commands", action="store_true")
 
 
 # ==== The paper's method (Sec. 3), one step as "The Integrated Janus-LoRA Update Process" =========
@@ -520,11 +514,7 @@ def evaluate(model, heads, splits, tasks, cfg):
 @torch.no_grad()
 def features(model, images, cfg, memory=None):
     """z (n, D) and labels y (n,) of the images, in order (test transform)."""
-    zs, ys = [], []
-    for z, _, y in batches(model, images, cfg, memory):
-        zs.append(z)
-        ys.append(y)
-    return torch.cat(zs), torch.cat(ys)
+    return [torch.cat(t) for t in zip(*[(z, y) for z, _, y in batches(model, images, cfg, memory)])]
 
 
 def batches(model, images, cfg, memory=None):
@@ -588,14 +578,11 @@ def main(argv=None):
         return 130
     return 0
 
-
 ####################################################################################################
 # PART 2. The program around the method: flags, the run folder, results, the paper's analyses and
 # plots, speed (--compile, --benchmark), --reproduce. Nothing above needs it to be understood.
 ####################################################################################################
-# ---- Flags: the methods as presets, parsing, the checks ------------------------------------------
-# The methods of the paper's comparisons as flag sets: --method NAME puts them before the others.
-METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
+METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],  # --method NAME: its flags
            "finetune": ["--no-oe", "--no-gr", "--no-dml"],
            "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
            "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
@@ -603,24 +590,19 @@ METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],
 GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs; the others 0.95, 1.0
 RESUME_FREE = ("resume", "device", "workers", "compile", "seeds")  # may change on --resume
 EXAMPLES = """examples:
-  python janus_min.py --dataset synthetic --model vit_tiny --weights none   # a first run, 1 min
+  python janus_min.py --dataset synthetic --model vit_tiny --weights none   # a first run
   python janus_min.py --dataset cifar100 --data-dir data --seeds 0 1 2 3 4 --out runs/cifar
   python janus_min.py --resume runs/cifar                                  # after an interruption
-  python janus_min.py --reproduce ablation --dataset imagenet-r --data-dir data --dry-run"""
+  python janus_min.py --reproduce ablation --dataset imagenet-r --dry-run"""
 
 
 class ConfigError(Exception):
     """Flags that cannot run together, or a run folder that cannot be used."""
 
 
-# what main turns into one line: bad input, a diverged loss, a file that cannot be written
+# what main turns into one line: bad input, a diverged loss, a file that cannot be read or written
 USER_ERRORS = (ConfigError, vit.CheckpointError, data.DataError, FloatingPointError, OSError)
-q = shlex.quote  # a path as one shell word, so that a suggested command pastes as it is
-
-
-def _require(ok, message):
-    if not ok:
-        raise ConfigError(message)
+q = shlex.quote  # a path as one shell word: a suggested command pastes as it is
 
 
 def _flag(name):
@@ -636,16 +618,13 @@ def parser(typed_only=False):
     for f in fields(Config):
         kw = dict(f.metadata, **({"choices": choices[f.name]} if f.name in choices else {}))
         if f.type is bool and f.default:  # the ablation's switches: on unless --no-NAME
-            kw.update(help=f"turn off {kw['help']}", action="store_false")
-            p.add_argument("--no-" + f.name, dest=f.name, **kw)
+            p.add_argument("--no-" + f.name, dest=f.name, action="store_false", help=kw["help"])
             continue
         if f.type is not bool:
             kw.setdefault("type", {int: int, float: float}.get(f.type, str))
-            if f.default is not None:
-                shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-                kw["help"] += f" (default: {shown})"
-            if not typed_only:
-                kw["default"] = f.default
+            shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+            kw["help"] += "" if f.default is None else f" (default: {shown})"
+            kw.update({} if typed_only else {"default": f.default})
         p.add_argument(_flag(f.name), **kw)
     return p
 
@@ -671,22 +650,20 @@ def to_argv(values):
 
 
 def configure(argv=None):
-    """The command line's Config, filled in and checked, and the flags that give it; with --resume
-    DIR, the flags of the run there, and those typed now that may change."""
+    """The command line's Config, filled in and checked, and the flags that give it; --resume DIR:
+    the flags of the run there, and those typed now that may change."""
     argv = list(sys.argv[1:] if argv is None else argv)
     typed = parse_args(argv, typed_only=True)
     if "resume" in typed:
         fixed = " ".join(_flag(name) for name in typed if name not in RESUME_FREE)
-        _require(not fixed, f"--resume continues a run with its own flags: drop {fixed} (only "
-                 "--device, --workers, --compile and more --seeds may be given)")
-        try:
-            saved = read_json(os.path.join(typed["resume"], "config.json"))["argv"]
-        except OSError:
-            raise ConfigError(f"--resume {q(typed['resume'])}: no run there (no config.json); "
-                              "start one with --out") from None
+        if fixed:
+            raise ConfigError(f"--resume continues a run with its own flags: drop {fixed} (only "
+                              "--device, --workers, --compile and more --seeds may change)")
+        saved = read_json(os.path.join(typed["resume"], "config.json"))["argv"]
         old = parse_args(saved).seeds
-        _require(set(typed.get("seeds", old)) >= set(old), f"--resume: the run has the seeds "
-                 f"{' '.join(map(str, old))}; give all of them (and more to add seeds) or none")
+        if not set(typed.get("seeds", old)) >= set(old):
+            raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, old))}; give "
+                              "all of them (and more to add seeds) or none")
         argv = saved + to_argv({k: v for k, v in typed.items() if k != "resume"})
     cfg = check_config(parse_args(argv))
     cfg.resume = typed.get("resume")
@@ -703,9 +680,7 @@ def check_config(cfg):
             setattr(cfg, key, data.DATASETS[cfg.dataset][key])
     cfg.gpm_threshold = list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset, (0.95, 1.0)))
     cfg.seeds = list(cfg.seeds)
-    if cfg.workers is None:  # the cores this process may use
-        cfg.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            os.cpu_count()
+    cfg.workers = len(os.sched_getaffinity(0)) if cfg.workers is None else cfg.workers  # cores
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.device == "cpu":
@@ -713,28 +688,24 @@ def check_config(cfg):
     width, gpus = vit.PRESETS[cfg.model].keywords["embed_dim"], torch.cuda.device_count()
     rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
     for ok, fix in [
-        (all(v > 0 for v in (cfg.lr, cfg.tau, cfg.lora_scale, cfg.delta, cfg.oe_lr)),
-         "--lr, --tau, --lora-scale, --delta and --oe-lr must be positive"),
-        (all(v >= 0 for v in (cfg.margin, cfg.lambda_dml, cfg.workers)),
-         "--margin, --lambda-dml and --workers must not be negative"),
+        (min(cfg.lr, cfg.tau, cfg.lora_scale, cfg.delta, cfg.oe_lr) > 0,
+         "--lr, --tau, --lora-scale, --delta, --oe-lr must be positive"),
+        (min(cfg.margin, cfg.lambda_dml, cfg.workers) >= 0,
+         "--margin, --lambda-dml, --workers must not be negative"),
         (min(cfg.epochs, cfg.batch_size, cfg.img_size, cfg.patch_size, cfg.oe_decay_steps,
-             cfg.steps) >= 1, "--epochs, --batch-size, --img-size, --patch-size, "
-         "--oe-decay-steps and --steps must be at least 1"),
-        (cfg.limit_per_class is None or cfg.limit_per_class >= 1,
+             cfg.steps, cfg.limit_per_class or 1) >= 1 and cfg.limit_per_class != 0,
+         "--epochs, --batch-size, --img-size, --patch-size, --oe-decay-steps, --steps, "
          "--limit-per-class must be at least 1"),
-        (1 <= cfg.rank <= width and 1 <= cfg.k <= width,
+        (1 <= min(cfg.rank, cfg.k) <= max(cfg.rank, cfg.k) <= width,
          f"--rank and --k must lie in 1..{width}, the width of {cfg.model}"),
         (cfg.patch_size < 1 or cfg.img_size % cfg.patch_size == 0,
          "--img-size must be a multiple of --patch-size"),
-        (cfg.patch_size == 16 or cfg.weights == "none" or cfg.benchmark,
-         "--patch-size other than 16 needs --weights none (the checkpoints are ViT-*/16)"),
         (0 < cfg.gpm_threshold[0] <= cfg.gpm_threshold[1] <= 1,
          "--gpm-threshold takes two numbers 0 < first <= last <= 1"),
-        (cfg.lora_a == "trained" or not cfg.gr,
-         "--lora-a inflora freezes A, which GR needs to train: add --no-gr"),
+        (cfg.lora_a == "trained" or not cfg.gr, "--lora-a inflora freezes A, which GR trains: "
+         "add --no-gr"),
         (cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
-         "--input-range checkpoint needs a named --weights; for a file, pass --input-range half "
-         "(Google npz) or imagenet (DINO, torchvision)"),
+         "--input-range checkpoint needs a named --weights; for a file, pass half or imagenet"),
         (len(set(cfg.seeds)) == len(cfg.seeds) and all(0 <= s < 2**32 for s in cfg.seeds),
          "--seeds: each seed once, in 0 .. 2^32 - 1"),
         (re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device) and
@@ -743,9 +714,10 @@ def check_config(cfg):
         (cfg.row is None or cfg.row in rows,
          f"--row goes with --reproduce NAME and names one of its rows ({', '.join(rows)})"),
         (cfg.reproduce or not cfg.dry_run, "--dry-run goes with --reproduce NAME"),
-        (not (cfg.reproduce and cfg.method), "--reproduce chooses its rows' methods: drop --method"),
+        (not (cfg.reproduce and cfg.method), "--reproduce sets its rows' methods: drop --method"),
     ]:
-        _require(ok, fix)
+        if not ok:
+            raise ConfigError(fix)
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides classes
     return cfg
 
@@ -766,12 +738,11 @@ class Run:
     each seed; and the data and the backbone it trains on."""
 
     def __init__(self, cfg, argv):
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.cfg = cfg
+        self.cfg, stamp = cfg, time.strftime("%Y%m%d-%H%M%S")
         self.out = cfg.out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-{stamp}")
-        _require(cfg.resume or not os.path.exists(os.path.join(self.out, "config.json")),
-                 f"{q(self.out)} holds a run: continue it with --resume {q(self.out)}, or choose "
-                 "another --out")
+        if not cfg.resume and os.path.exists(os.path.join(self.out, "config.json")):
+            raise ConfigError(f"{q(self.out)} holds a run: continue it with --resume "
+                              f"{q(self.out)}, or choose another --out")
         self.splits, self.model = load_data_and_model(cfg)
         path = os.path.join(self.out, "checkpoint.pt")
         self.saved = (torch.load(path, map_location="cpu", weights_only=True)
@@ -785,14 +756,12 @@ class Run:
               f"{cfg.precision}; out {q(self.out)}", flush=True)
 
     def seeds_left(self):
-        done = {r["seed"] for r in self.results["runs"]}
-        return [s for s in self.cfg.seeds if s not in done]
+        return [s for s in self.cfg.seeds if s not in {r["seed"] for r in self.results["runs"]}]
 
     def restore(self, learner):
         """A seed that an interruption stopped: its state after its last finished task."""
-        state = self.saved["current"]
-        if state and state["seed"] == learner.seed:
-            restore(learner, state, self.cfg)
+        if self.saved["current"] and self.saved["current"]["seed"] == learner.seed:
+            restore(learner, self.saved["current"], self.cfg.device)
             print(f"seed {learner.seed}: resumed after task {len(learner.acc)}", flush=True)
 
     def after_task(self, learner, t, factors, memory):
@@ -807,15 +776,17 @@ class Run:
         os.replace(path + ".tmp", path)  # atomic: the last complete checkpoint survives anything
 
     def finish(self, learner):
-        """A seed's last task done: its entry in results.json, and the summary so far."""
+        """A seed's last task done: its entry in results.json."""
         self.results["runs"].append(results_entry(learner, self.cfg.tasks))
         self.save()
+        self.write_results()
+
+    def write_results(self):
         self.results["summary"] = summarize(self.results["runs"])
         write_json(os.path.join(self.out, "results.json"), self.results)
 
     def report(self):
-        self.results["summary"] = summarize(self.results["runs"])
-        write_json(os.path.join(self.out, "results.json"), self.results)
+        self.write_results()  # also when a resume found every seed done
         print_summary(self.results)
         plot(self.results, self.out)
         print(f"wrote {q(os.path.join(self.out, 'results.json'))}")
@@ -841,60 +812,50 @@ def build_model(cfg):
     return model.eval()  # the ViT has no dropout, and training never switches modes
 
 
-def load_splits(cfg):
-    """The data set's splits, in the input range asked for."""
-    scale = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else \
+def load_data_and_model(cfg):
+    """(splits in the input range asked for, backbone); if both are missing, one line says so."""
+    scale = vit.PRETRAINED_INPUT.get(cfg.weights) if cfg.input_range == "checkpoint" else \
         cfg.input_range
     mean, std = vit.MEAN_STD.get(scale, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
-    return data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, mean, std, seed=0,
-                             limit_per_class=cfg.limit_per_class)
-
-
-def load_data_and_model(cfg):
-    """(splits, backbone); where both are missing, one message says so for both."""
     loaded, errors = [], []
-    for load in (load_splits, build_model):
+    for load in (partial(data.load_dataset, cfg.dataset, cfg.data_dir, cfg.img_size, mean, std,
+                         limit_per_class=cfg.limit_per_class), partial(build_model, cfg)):
         try:
-            loaded.append(load(cfg))
+            loaded.append(load())
         except (data.DataError, vit.CheckpointError) as e:
             errors.append(str(e))
-    _require(not errors, " And: ".join(errors))
+    if errors:
+        raise ConfigError(" And: ".join(errors))
     return loaded
 
 
 def snapshot(learner):
-    """checkpoint.pt's "current": all the next task needs, what was measured, the generator."""
-    kv = {n: t for n, t in learner.model.state_dict().items() if ".attn.k." in n or ".attn.v." in n}
-    return {"seed": learner.seed, "kv": kv, "oe_basis": learner.oe.basis,
-            "oe_steps": learner.oe.steps, "memory": learner.memory,
-            "heads": learner.heads.state_dict(), "prototypes": learner.prototypes,
-            "rng": torch.get_rng_state(), **{key: getattr(learner, key) for key in MEASURED}}
+    """checkpoint.pt's "current": the learner after its last finished task, and the generator."""
+    state = {f.name: getattr(learner, f.name) for f in fields(Learner)}
+    state["model"] = {n: t for n, t in learner.model.state_dict().items()
+                      if ".attn.k." in n or ".attn.v." in n}  # the rest is the pretrained one's
+    state["oe"] = [learner.oe.basis, learner.oe.steps]
+    state["heads"] = [head.state_dict() for head in learner.heads]
+    return {**state, "rng": torch.get_rng_state()}
 
 
-MEASURED = ("acc", "aware", "sample_acc", "task_seconds", "throughput", "analyses")
-
-
-def restore(learner, state, cfg):
-    """The learner as snapshot(learner) saved it; the rest of the backbone is the pretrained one."""
-    def here(value):
-        return value.to(cfg.device)
-    learner.model.load_state_dict(state["kv"], strict=False)  # K and V with the tasks merged in
-    learner.oe.basis = here(state["oe_basis"])
-    learner.oe.steps = here(state["oe_steps"])
-    learner.memory = [here(M) for M in state["memory"]]
-    tasks = data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)
-    for classes in tasks[:len(state["acc"])]:
-        learner.heads.append(torch.nn.Linear(learner.model.embed_dim, len(classes)))
-    learner.heads.load_state_dict(state["heads"])
-    learner.heads.to(cfg.device)
-    learner.prototypes = here(state["prototypes"])
-    for key in MEASURED:
-        setattr(learner, key, state[key])
-    torch.set_rng_state(state["rng"])
+def restore(learner, state, device):
+    """The learner as snapshot(learner) saved it."""
+    state = dict(state)
+    learner.model.load_state_dict(state.pop("model"), strict=False)  # K and V, tasks merged in
+    learner.oe.basis, learner.oe.steps = (x.to(device) for x in state.pop("oe"))
+    for head in state.pop("heads"):
+        learner.heads.append(torch.nn.Linear(*head["weight"].shape[::-1]).to(device))
+        learner.heads[-1].load_state_dict(head)
+    learner.memory = [M.to(device) for M in state.pop("memory")]
+    learner.prototypes = state.pop("prototypes").to(device)
+    torch.set_rng_state(state.pop("rng"))  # last: the heads above drew from it
+    for name, value in state.items():  # the seed, and what was measured
+        setattr(learner, name, value)
 
 
 def environment(cfg):
-    """What results.json needs to say where its numbers come from."""
+    """Where results.json's numbers come from."""
     device = (torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda")
               else f"cpu ({torch.get_num_threads()} threads)")
     return {"torch": torch.__version__, "torchvision": torchvision.__version__, "device": device}
@@ -921,7 +882,7 @@ def results_entry(learner, T):
 
 
 def summarize(runs):
-    """Mean and std over seeds of ACC, MAA, BWT, and of the same three for task-aware accuracy."""
+    """Mean and std over seeds of ACC, MAA, BWT, ACC over samples, and the task-aware three."""
     def stats(values):  # undefined (None) if any run's is, as BWT with one task
         if any(v is None for v in values):
             return {"mean": None, "std": None}
@@ -933,11 +894,7 @@ def summarize(runs):
     return out
 
 
-def _stat(s):
-    return "undefined" if s["mean"] is None else f"{s['mean']:.2f} +- {s['std']:.2f}"
-
-
-def _fmt(value, spec):
+def _fmt(value, spec=".2f"):
     return "-" if value is None else format(value, spec)
 
 
@@ -949,18 +906,15 @@ def _mean(values):
 
 def print_summary(results):
     last, s = results["runs"][-1], results["summary"]
-    T = len(last["acc_matrix"])
     print(f"accuracy (%) on each task (columns) after each task (rows), seed {last['seed']}:")
-    print("after task | " + " ".join(f"task {i + 1:<2d}" for i in range(T)))
+    print("after task | " + " ".join(f"task {i + 1:<2d}" for i in range(len(last["acc_matrix"]))))
     for t, row in enumerate(last["acc_matrix"]):
         print(f"{t + 1:10d} | " + " ".join(f"{_fmt(a, '.1f'):>7s}" for a in row))
-    print("  ".join(f"{k} {_stat(s[k])}" for k in ("ACC", "MAA", "BWT", "sample_ACC")) +
-          f"  over {len(results['runs'])} seed(s); task-aware: ACC {_stat(s['task_aware']['ACC'])}"
-          f"  BWT {_stat(s['task_aware']['BWT'])}")
-    print("ACC: mean accuracy on the tasks after the last; MAA: its mean over the run; BWT: mean "
-          "change of a task's accuracy from right after it to the end (negative: forgetting); "
-          "sample_ACC: over all test samples (InfLoRA's logs); task-aware (ours): the true "
-          "task's head only")
+    print("  ".join(f"{k} {_fmt(s[k]['mean'])} +- {_fmt(s[k]['std'])}" for k in
+                    ("ACC", "MAA", "BWT", "sample_ACC")) + f"  over {len(results['runs'])} "
+          f"seed(s); task-aware ACC {s['task_aware']['ACC']['mean']:.2f}")
+    print("ACC: the mean accuracy on the tasks after the last; MAA: its mean over the run; BWT: "
+          "the mean change of a task's accuracy from its end to the run's (< 0: forgetting)")
 
 
 def describe(config):
@@ -973,17 +927,14 @@ def describe(config):
 # ---- The paper's analyses after each task: the null-space violation against the memory and on
 # real activations (Fig. 2), DML's geometry (Fig. 3 and the appendix's density) --------------------
 def record_analyses(learner, t, factors, memory, splits, cfg):
-    """Task t's analyses into learner.analyses, and their lines. factors: each layer's (A, B) of
-    the task, before the merge; memory: what they were to stay off."""
+    """Task t's analyses into learner.analyses. factors: each layer's (A, B) of the task, before
+    the merge; memory: what they were to stay off."""
     a = learner.analyses
     if not a:
         a.update(violation={"k": [], "v": []}, interference=[], geometry=[])
     for name in ("k", "v"):
         a["violation"][name].append([violation(A, B, memory[i]) for (A, B), (i, n, _)
                                      in zip(factors, learner.model.lora_layers()) if n == name])
-    if t > 0 and cfg.oe:  # task 1 has no memory to violate
-        viol = {n: " ".join(_fmt(v, ".3f") for v in a["violation"][n][-1]) for n in "kv"}
-        print(f"task {t + 1} violation ||dW M||/||dW|| per block  K: {viol['k']}  V: {viol['v']}")
     if t == 0:  # no past tasks, no old prototypes
         a["interference"].append(None)
         a["geometry"].append(None)
@@ -994,9 +945,10 @@ def record_analyses(learner, t, factors, memory, splits, cfg):
     past, now = energy.sqrt().tolist()
     a["interference"].append({"past": past, "current": now})
     a["geometry"].append(dml_geometry(z, y, learner.prototypes, tasks[t][0]))
-    g = a["geometry"][-1]
-    print(f"task {t + 1} DML geometry: cos_old > 0.5 {g['danger']:.3f}, < 0.2 {g['safe']:.3f}, "
-          f"cos_old > cos_own {g['closer_to_old']:.3f}", flush=True)
+    print(f"task {t + 1} analyses: violation {_fmt(_mean(a['violation']['k'][-1]), '.2e')} (K), "
+          f"{_fmt(_mean(a['violation']['v'][-1]), '.2e')} (V); past inputs' output change "
+          f"{_mean(past):.3g}, the current's {_mean(now):.3g}; DML danger share "
+          f"{a['geometry'][-1]['danger']:.3f}", flush=True)
 
 
 @torch.no_grad()
@@ -1045,41 +997,42 @@ def dml_geometry(z, y, prototypes, old, bins=20):
 
 # ---- Plots (matplotlib, when installed) ----------------------------------------------------------
 def pyplot():
-    """matplotlib's pyplot without a display, or None where matplotlib is not installed."""
+    """matplotlib's pyplot, drawing into files, or None where matplotlib is not installed."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
         return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     return plt
 
 
 def plot(results, out):
-    """trajectory.png (Fig. 5), violation.png (Fig. 2), angular.png (Fig. 3), first seed's."""
+    """trajectory.png (Fig. 5), violation.png (Fig. 2), angular.png (Fig. 3) of the first seed."""
     plt = pyplot()
     if plt is None:
         return print("matplotlib is not installed: no plots (results.json has the numbers)")
     run, title = results["runs"][0], describe(results["config"])
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for key, style, label in (("acc_matrix", "o-", "task-agnostic (the paper's)"),
-                              ("task_aware", "s--", "task-aware (ours)")):
-        curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(
-            r["acc_matrix"] if key == "acc_matrix" else r[key]["acc_matrix"])]
-            for r in results["runs"]])  # (seeds, T)
-        x = range(1, curves.shape[1] + 1)
-        ax.plot(x, curves.mean(0), style, label=f"{label}, mean of {len(curves)} seed(s)")
+    for label, matrices in (("task-agnostic (the paper's)", [r["acc_matrix"] for r in
+                                                             results["runs"]]),
+                            ("task-aware (ours)", [r["task_aware"]["acc_matrix"] for r in
+                                                   results["runs"]])):
+        curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(matrix)]
+                               for matrix in matrices])  # (seeds, T)
+        x = list(range(1, curves.shape[1] + 1))
+        ax.plot(x, curves.mean(0), "o-", label=f"{label}, mean of {len(curves)} seed(s)")
         ax.fill_between(x, curves.min(0).values, curves.max(0).values, alpha=0.2,
-                        label="min-max over seeds")
-    ax.set(xlabel="task", ylabel="mean accuracy on the seen tasks (%)", xticks=list(x))
-    _save(fig, ax, title, os.path.join(out, "trajectory.png"))
+                        label="its min-max over seeds")
+    ax.set(xlabel="task", ylabel="mean accuracy on the seen tasks (%)", xticks=x)
+    save(fig, ax, title, os.path.join(out, "trajectory.png"))
     plot_violation(plt, run, title, os.path.join(out, "violation.png"))
     if any(run["geometry"]):
         plot_angular(plt, run, title, os.path.join(out, "angular.png"))
     plt.close("all")
 
 
-def _save(fig, ax, title, path):
+def save(fig, ax, title, path):
     fig.suptitle(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -1087,32 +1040,27 @@ def _save(fig, ax, title, path):
 
 
 def plot_violation(plt, run, title, path):
-    """Fig. 2 per block, mean over tasks 2..T: against the memory, and on the past tasks' inputs
-    beside the current task's own (the level an unprotected update reaches)."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Fig. 2 per block, mean over tasks 2..T: the update's share on the memory, and its effect on
+    the past tasks' test inputs beside the current task's own (what an unprotected update does)."""
     inter = [i for i in run["interference"] if i]
-    panels = ((axes[0], run["violation"], "Against the memory M",
-               "share of the update on M: ||dW M|| / ||dW||", {}),
-              (axes[1], {n: [[i["past"][2 * b + j] for b in range(len(i["past"]) // 2)]
-                             for i in inter] for j, n in enumerate("kv")},
-               "On the past tasks' test inputs", "output change, RMS: ||X_past dW^T|| / sqrt(n)",
-               {n: [[i["current"][2 * b + j] for b in range(len(i["current"]) // 2)]
-                    for i in inter] for j, n in enumerate("kv")}))
-    for ax, measure, panel, ylabel, reference in panels:
-        for off, name in ((-0.2, "k"), (0.2, "v")):
-            means = [_mean(col) for col in zip(*measure[name])]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = [("Against the memory M", "share of the update on M: ||dW M|| / ||dW||",
+               run["violation"], None),
+              ("On the past tasks' test inputs", "RMS change of their outputs: ||X dW^T||/sqrt(n)",
+               {n: [i["past"][j::2] for i in inter] for j, n in enumerate("kv")},
+               {n: [i["current"][j::2] for i in inter] for j, n in enumerate("kv")})]
+    for ax, (name, ylabel, measure, reference) in zip(axes, panels):
+        for j, n in enumerate("kv"):
+            means = [_mean(col) for col in zip(*measure[n])]  # per block; task 1's: None
+            x = [b + 0.8 + 0.4 * j for b in range(len(means))]
             if any(m is not None for m in means):
-                ax.bar([b + 1 + off for b in range(len(means))], [m or 0 for m in means], 0.4,
-                       label=name.upper())
-            if reference.get(name):
-                ax.plot([b + 1 + off for b in range(len(means))],
-                        [_mean(col) for col in zip(*reference[name])], "k_", ms=12,
-                        label=None if name == "v" else "the same on the current task's inputs")
-        ax.set(xlabel="block", ylabel=ylabel, title=f"{panel}: mean over tasks 2..T")
-        if not ax.patches:  # no memory (OE off), or one task: nothing is defined
-            ax.text(0.5, 0.5, "undefined: no memory or one task", ha="center",
-                    transform=ax.transAxes)
-    _save(fig, axes[1], f"{title}, seed {run['seed']}; small: old outputs kept", path)
+                ax.bar(x, [m or 0 for m in means], 0.4, label=n.upper())
+            if reference and means:
+                ax.plot(x, [_mean(col) for col in zip(*reference[n])], "k_", ms=9,
+                        label=f"{n.upper()} on the current task's inputs (reference)")
+        ax.set(xlabel="block", ylabel=ylabel, title=f"{name} (mean over tasks 2..T)")
+        ax.legend(fontsize=7)
+    save(fig, axes[1], f"{title}, seed {run['seed']}: small bars keep the old outputs", path)
 
 
 def plot_angular(plt, run, title, path):
@@ -1123,21 +1071,22 @@ def plot_angular(plt, run, title, path):
     t, g = tasks[-1]
     lo, hi = min(g["cos_old"] + g["cos_own"]) - 0.05, max(g["cos_old"] + g["cos_own"]) + 0.05
     left.scatter(g["cos_old"], g["cos_own"], s=6, alpha=0.5)
-    left.plot([lo, hi], [lo, hi], "k--", lw=0.8, label=f"below: closer to old "
-              f"{g['closer_to_old']:.3f}")
-    left.axvline(0.5, color="red", ls="--", label=f"danger zone: {g['danger']:.3f}")
+    left.plot([lo, hi], [lo, hi], "k--", lw=0.8,
+              label=f"below: closer to old, {g['closer_to_old']:.3f}")
+    left.axvline(0.5, color="red", ls="--", label=f"danger zone, {g['danger']:.3f}")
     left.set(xlabel="cos_old: largest cosine to an old prototype", xlim=(lo, hi), ylim=(lo, hi),
              ylabel="cos_own: cosine to its own prototype", title=f"task {t}'s test samples")
     left.legend(fontsize=7)
     width = 2 / len(g["hist"])  # dml_geometry's bins over [-1, 1]
     for t, g in tasks:
-        right.plot([-1 + width * (i + 0.5) for i in range(len(g["hist"]))], g["hist"], "o-", ms=3,
-                   label=f"task {t}")
+        right.plot([-1 + width * (i + 0.5) for i in range(len(g["hist"]))], g["hist"], "o-",
+                   ms=3, label=f"task {t}")
     right.set(xlabel="cos_old", ylabel="share of the task's test samples", title="cos_old per task")
-    fig.text(0.5, 0.01, "prototype: a class's mean unit feature; danger zone (the paper's Fig. 3):"
-             " cos_old > 0.5, a sample close to an old class", ha="center", fontsize=8)
-    fig.subplots_adjust(bottom=0.2)
-    _save(fig, right, f"{title}, seed {run['seed']}", path)
+    fig.text(0.5, 0.01, "prototype: a class's mean unit feature; danger zone (the paper's Fig. 3): "
+             "cos_old > 0.5, a sample close to an old class", ha="center", fontsize=8)
+    save(fig, right, f"{title}, seed {run['seed']}", path)
+    fig.subplots_adjust(bottom=0.2)  # the caption's room, below tight_layout's
+    fig.savefig(path, dpi=120)
 
 
 # ---- Speed (ours): --compile's CUDA graph, and --benchmark ---------------------------------------
@@ -1291,24 +1240,24 @@ def row_runs(folder):
 
 
 def write_table(cfg, out, rows):
-    """table.md: each finished row's metrics (mean +- std over seeds), analyses and time."""
+    """table.md: each finished row's metrics (mean ± std over seeds), analyses and time."""
     lines = [f"# --reproduce {cfg.reproduce}: {REPRODUCE[cfg.reproduce][0]}",
-             f"{cfg.dataset}, T = {cfg.tasks}; mean ± std over seeds. The paper's numbers: README.",
+             f"{cfg.dataset}, T = {cfg.tasks}; mean ± std over seeds; the paper's: README.",
              "", "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
              "violation | danger share | s / task |", "|" + "---|" * 11]
     finished = {row: row_runs(os.path.join(out, row)) for row in rows}
     for row, runs in finished.items():
-        if runs:
-            s = summarize(runs)
-            violations = [v for r in runs for v in sum(r["violation"]["k"] + r["violation"]["v"],
-                                                       [])]
-            danger = [g["danger"] for r in runs for g in r["geometry"] if g]
-            seconds = [x for r in runs for x in r["task_seconds"]]
-            lines.append(f"| {row} | `{' '.join(rows[row]) or '(none)'}` | {len(runs)} | " + " | ".join(
-                f"{s[k]['mean']:.2f} ± {s[k]['std']:.2f}" if s[k]["mean"] is not None else "-"
-                for k in ("ACC", "MAA", "BWT", "sample_ACC")) +
-                f" | {s['task_aware']['ACC']['mean']:.2f} | {_fmt(_mean(violations), '.2e')} | "
-                f"{_fmt(_mean(danger), '.3f')} | {_mean(seconds):.1f} |")
+        if not runs:
+            continue
+        s = summarize(runs)
+        cells = [f"{_fmt(s[k]['mean'])} ± {_fmt(s[k]['std'])}" for k in
+                 ("ACC", "MAA", "BWT", "sample_ACC")] + [_fmt(s["task_aware"]["ACC"]["mean"])]
+        cells.append(_fmt(_mean([v for r in runs for n in "kv" for task in r["violation"][n]
+                                 for v in task]), ".2e"))
+        cells.append(_fmt(_mean([g["danger"] for r in runs for g in r["geometry"] if g]), ".3f"))
+        cells.append(_fmt(_mean([x for r in runs for x in r["task_seconds"]]), ".1f"))
+        lines.append(f"| {row} | `{' '.join(rows[row]) or '(none)'}` | {len(runs)} | " +
+                     " | ".join(cells) + " |")
     missing = [row for row, runs in finished.items() if not runs]
     text = "\n".join(lines + ([f"\nNot finished yet: {', '.join(missing)}."] if missing else []))
     with open(os.path.join(out, "table.md"), "w") as f:
@@ -1333,7 +1282,7 @@ def plot_time(finished, out):
         right.set(xticks=x)
     left.set(xlabel="task", ylabel="seconds (mean over seeds)", title="time per task")
     right.set(xlabel="task", ylabel="seconds", title="cumulative time")
-    _save(fig, left, "training time of each row: the method's passes included, tests not",
+    save(fig, left, "training time of each row: the method's passes included, tests not",
           os.path.join(out, "time.png"))
     plt.close(fig)
 
