@@ -2,13 +2,11 @@
 
 Protocol: the InfLoRA codebase (Liang & Li, CVPR 2024; github.com/liangyanshuo/InfLoRA), on which
 the paper ran: classes in natural order, T equal tasks of contiguous class ids, no exemplars, its
-transforms. Sources, in data_dir (the README's "Offline" table says where each file goes):
-- cifar100: https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz, read as its pickled folder.
-- imagenet-r: https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar (Hendrycks et al., ICCV
-  2021), split 80/20 per class here; a ready-made imagenet-r/train/ + test/ (LAE's) is used as is.
-- domainnet: http://ai.bu.edu/M3SDA/ (Peng et al., ICCV 2019), the official per-domain lists.
-- imagenet100: ILSVRC-2012 (https://image-net.org) as train/<wnid>/, val/<wnid>/.
-- fashion-mnist: the four idx files (Xiao et al., 2017); synthetic: generated from the seed.
+transforms. Sources (their addresses: _LOADERS; where each file goes: the README's "Offline"):
+CIFAR-100 (Krizhevsky, 2009) as its pickled folder; ImageNet-R (Hendrycks et al., ICCV 2021),
+split 80/20 per class here unless split already (LAE's train/ + test/); DomainNet (Peng et al.,
+ICCV 2019), its per-domain lists; ImageNet-100, 100 classes of ILSVRC-2012 (image-net.org);
+Fashion-MNIST (Xiao et al., 2017), its idx files; synthetic data, generated from the seed.
 """
 import gzip
 import json
@@ -29,17 +27,17 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import transforms as T
 from torchvision.datasets import FashionMNIST
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.datasets.utils import download_url, extract_archive
+from torchvision.transforms.functional import to_pil_image
 
 
 class DataError(Exception):
     """A data set is missing, incomplete or corrupt, or the task split is impossible."""
 
 
-# Tasks, epochs, batch size and resolution of the paper and InfLoRA's configs (ImageNet-R also runs
-# with 5 and 20 tasks). Ours: ImageNet-100's 10 epochs (the paper gives none), and the small
-# Fashion-MNIST and synthetic settings for runs of minutes.
+# Tasks, epochs, batch size, resolution: the paper's and InfLoRA's configs (ImageNet-R runs 5 and 20
+# tasks too); ours: ImageNet-100's 10 epochs (the paper gives none), the small settings for minutes.
 DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=s)
             for name, c, t, e, b, s in [
                 ('cifar100', 100, 10, 20, 128, 224), ('imagenet-r', 200, 10, 50, 128, 224),
@@ -50,13 +48,12 @@ IMAGENET_R_URL = 'https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar'
 DOMAINS = ('clipart', 'infograph', 'painting', 'quickdraw', 'real', 'sketch')
 FASHION_FILES = ('train-images-idx3-ubyte.gz', 'train-labels-idx1-ubyte.gz',
                  't10k-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz')
-SPLIT_SEED = 0  # the ImageNet-R split belongs to the benchmark: fixed, whatever the run's seed
 # train: the training transform; train_eval: the same images, test transform (class prototypes)
 Splits = namedtuple('Splits', 'train train_eval test num_classes')
 
 
 class _Images(Dataset):
-    """source[i]: a path, a uint8 array (H, W) or (H, W, 3), or a uint8 tensor (3, H, W);
+    """source[i]: an image file's path, or a uint8 array or tensor (C, H, W), C = 1 (grey) or 3;
     batched: the same transform as a `Batched` for the device pipeline, None for file-based sets."""
 
     def __init__(self, source, targets, transform, batched=None):
@@ -68,13 +65,10 @@ class _Images(Dataset):
 
     def __getitem__(self, i):
         item = self.source[i]
-        if isinstance(item, str):
-            img = default_loader(item)  # PIL, RGB
-        elif isinstance(item, torch.Tensor):
-            img = item.float() / 255
-        else:
-            img = Image.fromarray(item).convert('RGB')  # Fashion-MNIST's grey -> 3 channels
-        return self.transform(img), self.targets[i]
+        if torch.is_tensor(item):  # as floats in [0, 1]
+            return self.transform(item.float() / 255), self.targets[i]
+        img = Image.open(item) if isinstance(item, str) else to_pil_image(torch.tensor(item))
+        return self.transform(img.convert('RGB')), self.targets[i]  # grey copied to 3 channels
 
 
 @contextmanager
@@ -84,13 +78,11 @@ def _reading(what, fix):
         yield
     except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, RuntimeError,
             struct.error, pickle.UnpicklingError, tarfile.TarError) as err:
-        why = ' '.join(f'{type(err).__name__}: {err}'.split())  # on one line
-        raise DataError(f'{what} cannot be read ({why}): {fix}.') from None
+        raise DataError(f'{what} cannot be read ({type(err).__name__}: {err}): {fix}.') from None
 
 
 def _unpack(root, url, name, download):
-    """root/name from url's archive in root, downloaded first where absent if download; unpacked
-    beside it and renamed when whole, so that a bad archive leaves no half folder behind."""
+    """root/name, unpacked whole or not at all from url's archive in root (downloaded if absent)."""
     archive = root / url.rsplit('/', 1)[1]
     if download and not archive.is_file():
         download_url(url, str(root))
@@ -115,9 +107,8 @@ def _cifar100(root, download):
         raw = (folder / part).read_bytes()
         with _reading(folder / part, 'delete it and fetch it again'):
             entry = pickle.loads(raw, encoding='latin1')
-            x = np.asarray(entry['data'], np.uint8).reshape(-1, 3, 32, 32)  # (N, 3, H, W) rows
-            x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))  # (N, H, W, 3), as torchvision's
-            parts.append((x, list(entry['fine_labels'])))
+            nchw = np.asarray(entry['data'], np.uint8).reshape(-1, 3, 32, 32)  # rows: C, H, W
+            parts.append((nchw, list(entry['fine_labels'])))
     return parts
 
 
@@ -134,23 +125,14 @@ def _folder(root, wnids):
 
 
 def _imagenet_r(root, download):
-    """imagenet-r/train/ + test/ as they are, else imagenet-r/<wnid>/, split 80/20 per class."""
-    folder = root / 'imagenet-r'
+    """imagenet-r/train/ + test/ as they are (LAE's), else imagenet-r/<wnid>/ split 80/20 per class,
+    drawn once into imagenet-r_split.json and then read from it."""
+    folder, split_file = root / 'imagenet-r', root / 'imagenet-r_split.json'
     if not folder.is_dir():
         _unpack(root, IMAGENET_R_URL, folder.name, download)
     if (folder / 'train').is_dir() and (folder / 'test').is_dir():
-        wnids = _ls(folder / 'train', dirs=True)
-        return [_folder(folder / part, wnids) for part in ('train', 'test')]
+        return [_folder(folder / part, _ls(folder / 'train', True)) for part in ('train', 'test')]
     wnids = _ls(folder, dirs=True)
-    split, label = _split_imagenet_r(folder, wnids), {w: y for y, w in enumerate(wnids)}
-    return [([str(folder / p) for p in split[part]], [label[p.split('/')[0]] for p in split[part]])
-            for part in ('train', 'test')]
-
-
-def _split_imagenet_r(folder, wnids):
-    """{'train': [...], 'test': [...]} of '<wnid>/<file>': the one saved beside folder, or drawn
-    80/20 per class and saved."""
-    split_file = folder.parent / 'imagenet-r_split.json'
     if split_file.is_file():
         with _reading(split_file, 'delete it to split again'):
             split = json.loads(split_file.read_text(encoding='utf-8'))
@@ -160,19 +142,19 @@ def _split_imagenet_r(folder, wnids):
                 raise ValueError(f'it lists {folder / missing}, which is missing')
             if {p.split('/')[0] for p in paths} != set(wnids):
                 raise ValueError(f'its classes are not the class folders in {folder}')
-        return split
-    # Stratified per class (classes hold ~50 to 400+ images), from sorted paths and a seeded
-    # generator: one split on every machine.
-    gen, split = torch.Generator().manual_seed(SPLIT_SEED), {'train': [], 'test': []}
-    for w in wnids:
-        files = [f'{w}/{f}' for f in _ls(folder / w)]
-        order = torch.randperm(len(files), generator=gen).tolist()
-        n_test = round(0.2 * len(files))  # the protocol's 80/20
-        split['test'] += [files[i] for i in order[:n_test]]
-        split['train'] += [files[i] for i in order[n_test:]]
-    if os.access(split_file.parent, os.W_OK):  # a read-only copy goes without: inspection only
-        split_file.write_text(json.dumps(split, indent=0))
-    return split
+    else:  # per class (~50 to 400+ images), from sorted paths and seed 0: the benchmark's split
+        gen, split = torch.Generator().manual_seed(0), {'train': [], 'test': []}
+        for w in wnids:
+            files = [f'{w}/{f}' for f in _ls(folder / w)]
+            order = torch.randperm(len(files), generator=gen).tolist()
+            n_test = round(0.2 * len(files))  # the protocol's 80/20
+            split['test'] += [files[i] for i in order[:n_test]]
+            split['train'] += [files[i] for i in order[n_test:]]
+        if os.access(root, os.W_OK):  # a read-only copy goes without: inspection only
+            split_file.write_text(json.dumps(split, indent=0))
+    label = {w: y for y, w in enumerate(wnids)}
+    return [([str(folder / p) for p in split[part]], [label[p.split('/')[0]] for p in split[part]])
+            for part in ('train', 'test')]
 
 
 def _domainnet(root, download):
@@ -197,37 +179,32 @@ def _domainnet(root, download):
 
 def _imagenet100(root, download):
     """Our class list: the wnids in imagenet100_classes.txt if there, else train/'s first 100."""
-    class_file = root / 'imagenet100_classes.txt'
-    listed = class_file.is_file()
-    wnids = class_file.read_text().split() if listed else _ls(root / 'train', dirs=True)[:100]
+    listed = root / 'imagenet100_classes.txt'
+    wnids = listed.read_text().split() if listed.is_file() else _ls(root / 'train', True)[:100]
     return [_folder(root / part, wnids) for part in ('train', 'val')]
 
 
 def _fashion_mnist(root, download):
-    """The four idx files, gzipped or not, in root or in root/FashionMNIST/raw/ (torchvision's).
-    idx: magic 0x000008NN (uint8 data, NN dims), a big-endian uint32 per dim, the data."""
-    folders = [root, root / 'FashionMNIST' / 'raw']
-    idx = lambda folder, f: folder / f[:-3] if (folder / f[:-3]).is_file() else folder / f
-    if download and not any(idx(d, FASHION_FILES[0]).is_file() for d in folders):
-        FashionMNIST(str(root), download=True)
-    folder = next((d for d in folders if idx(d, FASHION_FILES[0]).is_file()), root)
+    """The four idx files in root, gzipped or not (a missing one downloaded if download). idx:
+    magic 0x000008NN (uint8 data, NN dims), a big-endian uint32 per dim, the data."""
     arrays = []
-    for path in (idx(folder, f) for f in FASHION_FILES):
-        raw = path.read_bytes()
+    for path in (root / f[:-3] if (root / f[:-3]).is_file() else root / f for f in FASHION_FILES):
+        if download and not path.is_file():
+            download_url(FashionMNIST.mirrors[0] + path.name, str(root))
+        b = path.read_bytes()
         with _reading(path, 'delete it and fetch it again'):
-            raw = gzip.decompress(raw) if path.suffix == '.gz' else raw
-            if raw[:3] != b'\0\0\x08':
+            b = gzip.decompress(b) if path.suffix == '.gz' else b
+            if b[:3] != b'\0\0\x08':
                 raise ValueError('not an idx file of uint8')
-            shape = struct.unpack(f'>{raw[3]}I', raw[4:4 + 4 * raw[3]])
-            arrays.append(np.frombuffer(raw, np.uint8, offset=4 + 4 * raw[3]).reshape(shape))
-    return [(arrays[0], arrays[1].tolist()), (arrays[2], arrays[3].tolist())]
+            shape = struct.unpack(f'>{b[3]}I', b[4:4 + 4 * b[3]])
+            arrays.append(np.frombuffer(bytearray(b), np.uint8, offset=4 + 4 * b[3]).reshape(shape))
+    return [(arrays[0][:, None], arrays[1].tolist()), (arrays[2][:, None], arrays[3].tolist())]
 
 
 def _synthetic(img_size, seed, per_class=(24, 8)):
     """Per class a smooth random colour pattern; per image a shift of up to one 16 px patch and
     Gaussian noise: classes easy to tell apart, no two images equal."""
-    classes = DATASETS['synthetic']['num_classes']
-    gen = torch.Generator().manual_seed(seed)
+    classes, gen = DATASETS['synthetic']['num_classes'], torch.Generator().manual_seed(seed)
     coarse = torch.rand(classes, 3, 4, 4, generator=gen)  # (C, 3, 4, 4), upsampled: smooth
     templates = F.interpolate(coarse, size=(img_size, img_size), mode='bilinear')  # (C, 3, H, W)
     shift, parts = max(1, img_size // 16), []
@@ -246,9 +223,9 @@ _LOADERS = {
     'cifar100': (_cifar100, f'cifar-100-python/ or its archive from {CIFAR100_URL}'),
     'imagenet-r': (_imagenet_r, f'imagenet-r/ or imagenet-r.tar from {IMAGENET_R_URL}'),
     'domainnet': (_domainnet, 'the six domain folders and lists from http://ai.bu.edu/M3SDA/'),
-    'imagenet100': (_imagenet100, 'ILSVRC-2012 (https://image-net.org) as train/<wnid>/, val/'),
-    'fashion-mnist': (_fashion_mnist, f'the four idx .gz files from {FashionMNIST.mirrors[0]} (or '
-                      "install Debian's dataset-fashion-mnist: /usr/share/datasets/fashion-mnist)")}
+    'imagenet100': (_imagenet100, 'ILSVRC-2012 (image-net.org) as train/<wnid>/, val/<wnid>/'),
+    'fashion-mnist': (_fashion_mnist, f'the four idx .gz files from {FashionMNIST.mirrors[0]} '
+                      "(or Debian's dataset-fashion-mnist: /usr/share/datasets/fashion-mnist)")}
 
 
 def _transforms(name, img_size, mean, std):
@@ -271,31 +248,25 @@ def _transforms(name, img_size, mean, std):
 
 def _thin(source, targets, limit, seed):
     """The first `limit` images of each class after a seeded shuffle, in the data set's order."""
-    kept, count = [], {}
+    rank, count = {}, {}  # rank[i]: image i's place among its class's, in the shuffled order
     for i in torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed)).tolist():
-        if count.get(targets[i], 0) < limit:
-            count[targets[i]] = count.get(targets[i], 0) + 1
-            kept.append(i)
-    kept.sort()
+        rank[i] = count[targets[i]] = count.get(targets[i], 0) + 1
+    kept = [i for i in range(len(targets)) if rank[i] <= limit]
     source = [source[i] for i in kept] if isinstance(source, list) else source[kept]
     return source, [targets[i] for i in kept]
 
 
 def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=None, download=True):
-    """Splits(train, train_eval, test, num_classes) of a data set in DATASETS; limit_per_class
-    thins the training set only, so accuracies stay comparable."""
+    """Splits of a data set in DATASETS; limit_per_class thins only the training set."""
     if name not in DATASETS:
         raise DataError(f'unknown dataset {name!r}: choose one of {", ".join(DATASETS)}.')
     classes = DATASETS[name]['num_classes']
     if name == 'synthetic':
         (train, train_y), (test, test_y) = _synthetic(img_size, seed)
-    elif data_dir is None:
-        raise DataError(f'{name} needs --data-dir, the folder that holds (or will hold) its files.')
     else:
-        root = Path(data_dir).expanduser().resolve()
-        loader, source = _LOADERS[name]
-        with _reading(f'{name} in {root}', f'put {source} there and pass --data-dir '
-                      f'{shlex.quote(str(root))}'):
+        root, (loader, source) = Path(data_dir).expanduser().resolve(), _LOADERS[name]
+        fix = f'put {source} there and pass --data-dir {shlex.quote(str(root))}'
+        with _reading(f'{name} in {root}', fix):
             (train, train_y), (test, test_y) = loader(root, download)
             if len(train) != len(train_y) or len(test) != len(test_y):
                 raise ValueError('its numbers of images and labels differ')
@@ -314,25 +285,22 @@ def task_classes(num_classes, tasks):
     """T lists of contiguous class ids in natural order (InfLoRA's protocol)."""
     per = num_classes // max(tasks, 1)
     if per < 2 or per * tasks != num_classes:  # a head of one class: loss 0, accuracy 100%
-        raise DataError(f'--tasks {tasks} does not split the {num_classes} classes into equal '
-                        f'tasks of two or more: pick a divisor of {num_classes} up to '
-                        f'{num_classes // 2}.')
+        raise DataError(f'--tasks {tasks} does not split {num_classes} classes into equal tasks of '
+                        f'2 or more: pick a divisor of {num_classes} up to {num_classes // 2}.')
     return [list(range(t * per, (t + 1) * per)) for t in range(tasks)]
 
 
 def subset(ds, classes):
     """ds restricted to the given classes, keeping `.targets` (global class ids)."""
     keep = set(classes)
-    idx = [i for i, y in enumerate(ds.targets) if y in keep]
-    part = Subset(ds, idx)
-    part.targets = [ds.targets[i] for i in idx]
+    part = Subset(ds, [i for i, y in enumerate(ds.targets) if y in keep])
+    part.targets = [ds.targets[i] for i in part.indices]
     return part
 
 
 class _Seeded(Dataset):
-    """ds, and its own sampler: each epoch one generator in the main process draws the order and a
-    seed per sample, and ds[i] is made under its seed, so batches and augmentations depend on the
-    seed alone, not on --workers. fork_rng restores torch's generator: the run's draws stay."""
+    """ds and its own sampler: each epoch, one generator in the main process draws the order and a
+    seed per sample, ds[i] is made under its seed (fork_rng: the run's generator stays)."""
 
     def __init__(self, ds, shuffle, seed):
         self.ds, self.shuffle, self.gen = ds, shuffle, torch.Generator().manual_seed(seed)
@@ -343,8 +311,7 @@ class _Seeded(Dataset):
     def __iter__(self):
         n = len(self.ds)
         order = torch.randperm(n, generator=self.gen) if self.shuffle else torch.arange(n)
-        seeds = torch.randint(0, 2**62, (n,), generator=self.gen)
-        return iter(zip(order.tolist(), seeds.tolist()))
+        return zip(order.tolist(), torch.randint(0, 2**62, (n,), generator=self.gen).tolist())
 
     def __getitem__(self, item):
         with torch.random.fork_rng(devices=[]):
@@ -353,11 +320,10 @@ class _Seeded(Dataset):
 
 
 def make_loader(ds, batch_size, train, workers, seed, device=None):
-    """Batches of ds (shuffled when train) whose order and augmentations come from seed alone: an
-    in-memory set's made on device (default the CPU) by DeviceLoader, a file-based set's by a
-    DataLoader with `workers` processes."""
-    # the CPU too: batched there, CIFAR-100 at 224 px, batch 128, gave ~3,600 images/s on 2 threads
-    # (~1,950 on 1) against ~1,000 from PIL in 2 workers
+    """Batches of ds (shuffled when train) whose order and augmentations come from seed alone, not
+    from --workers: an in-memory set's made on device by DeviceLoader (the CPU too, by default:
+    CIFAR-100 at 224 px gave ~3,600 images/s there on 2 threads, PIL ~1,000 in 2 workers), a
+    file-based set's by a DataLoader with `workers` processes."""
     if getattr(ds.dataset if isinstance(ds, Subset) else ds, 'batched', None) is not None:
         return DeviceLoader(ds, batch_size, train, seed, torch.device(device or 'cpu'))
     seeded = _Seeded(ds, train, seed)
@@ -366,10 +332,9 @@ def make_loader(ds, batch_size, train, workers, seed, device=None):
                       generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
 
 
-# ---- The device-resident pipeline (in-memory sets): the uint8 images live on the device, where a
-# batch is indexed, normalised, cropped, flipped and resized; the draws are made on the CPU.
-# A spec: a random crop as torchvision's RandomResizedCrop (crop), a horizontal flip with p = 1/2
-# (flip), the bilinear resize to size x size, the normalisation with (mean, std).
+# ---- The device-resident pipeline (in-memory sets): uint8 images on the device, each batch
+# indexed, normalised, cropped, flipped and resized there, from draws on the CPU. A spec: a random
+# crop as RandomResizedCrop's (crop), a flip with p = 1/2 (flip), the resize to size x size.
 Batched = namedtuple('Batched', 'size crop flip mean std')
 
 
@@ -421,14 +386,10 @@ class DeviceLoader:
 
     def __init__(self, ds, batch_size, train, seed, device):
         base, idx = (ds.dataset, ds.indices) if isinstance(ds, Subset) else (ds, slice(None))
-        src = base.source[idx]  # indexed once, moved to the device once
-        if not torch.is_tensor(src):  # uint8 (N, H, W) grey or (N, H, W, 3) -> (N, C, H, W)
-            src = torch.tensor(src).reshape(*src.shape[:3], -1).permute(0, 3, 1, 2)  # a copy
-        self.images = src.contiguous().to(device)  # (N, C, H, W) uint8, C = 1 or 3
+        self.images = torch.as_tensor(base.source[idx]).to(device)  # (N, C, H, W) uint8, C: 1 or 3
         self.labels = torch.tensor(ds.targets, device=device)  # (N,)
-        self.spec = base.batched
-        self.batch_size, self.train, self.device = batch_size, train, device
-        self.gen = torch.Generator().manual_seed(seed)
+        self.spec, self.batch_size, self.train = base.batched, batch_size, train
+        self.device, self.gen = device, torch.Generator().manual_seed(seed)
         self.mean, self.std = (torch.tensor(v, device=device).view(-1, 1, 1)
                                for v in (self.spec.mean, self.spec.std))
 

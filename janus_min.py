@@ -659,7 +659,11 @@ def configure(argv=None):
         if fixed:
             raise ConfigError(f"--resume continues a run with its own flags: drop {fixed} (only "
                               "--device, --workers, --compile and more --seeds may change)")
-        saved = read_json(os.path.join(typed["resume"], "config.json"))["argv"]
+        path = os.path.join(typed["resume"], "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--resume: no run to continue, {q(path)} is missing; start one "
+                              "with --out")
+        saved = read_json(path)["argv"]
         old = parse_args(saved).seeds
         if not set(typed.get("seeds", old)) >= set(old):
             raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, old))}; give "
@@ -688,9 +692,9 @@ def check_config(cfg):
     width, gpus = vit.PRESETS[cfg.model].keywords["embed_dim"], torch.cuda.device_count()
     rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
     for ok, fix in [
-        (min(cfg.lr, cfg.tau, cfg.lora_scale, cfg.delta, cfg.oe_lr) > 0,
+        (all(v > 0 for v in (cfg.lr, cfg.tau, cfg.lora_scale, cfg.delta, cfg.oe_lr)),  # NaN too
          "--lr, --tau, --lora-scale, --delta, --oe-lr must be positive"),
-        (min(cfg.margin, cfg.lambda_dml, cfg.workers) >= 0,
+        (all(v >= 0 for v in (cfg.margin, cfg.lambda_dml, cfg.workers)),
          "--margin, --lambda-dml, --workers must not be negative"),
         (min(cfg.epochs, cfg.batch_size, cfg.img_size, cfg.patch_size, cfg.oe_decay_steps,
              cfg.steps, cfg.limit_per_class or 1) >= 1 and cfg.limit_per_class != 0,
@@ -1025,16 +1029,18 @@ def plot(results, out):
         ax.fill_between(x, curves.min(0).values, curves.max(0).values, alpha=0.2,
                         label="its min-max over seeds")
     ax.set(xlabel="task", ylabel="mean accuracy on the seen tasks (%)", xticks=x)
-    save(fig, ax, title, os.path.join(out, "trajectory.png"))
+    save(fig, title, os.path.join(out, "trajectory.png"))
     plot_violation(plt, run, title, os.path.join(out, "violation.png"))
     if any(run["geometry"]):
         plot_angular(plt, run, title, os.path.join(out, "angular.png"))
     plt.close("all")
 
 
-def save(fig, ax, title, path):
+def save(fig, title, path):
     fig.suptitle(title, fontsize=9)
-    ax.legend(fontsize=7)
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -1059,8 +1065,7 @@ def plot_violation(plt, run, title, path):
                 ax.plot(x, [_mean(col) for col in zip(*reference[n])], "k_", ms=9,
                         label=f"{n.upper()} on the current task's inputs (reference)")
         ax.set(xlabel="block", ylabel=ylabel, title=f"{name} (mean over tasks 2..T)")
-        ax.legend(fontsize=7)
-    save(fig, axes[1], f"{title}, seed {run['seed']}: small bars keep the old outputs", path)
+    save(fig, f"{title}, seed {run['seed']}: small bars keep the old outputs", path)
 
 
 def plot_angular(plt, run, title, path):
@@ -1076,7 +1081,6 @@ def plot_angular(plt, run, title, path):
     left.axvline(0.5, color="red", ls="--", label=f"danger zone, {g['danger']:.3f}")
     left.set(xlabel="cos_old: largest cosine to an old prototype", xlim=(lo, hi), ylim=(lo, hi),
              ylabel="cos_own: cosine to its own prototype", title=f"task {t}'s test samples")
-    left.legend(fontsize=7)
     width = 2 / len(g["hist"])  # dml_geometry's bins over [-1, 1]
     for t, g in tasks:
         right.plot([-1 + width * (i + 0.5) for i in range(len(g["hist"]))], g["hist"], "o-",
@@ -1084,7 +1088,7 @@ def plot_angular(plt, run, title, path):
     right.set(xlabel="cos_old", ylabel="share of the task's test samples", title="cos_old per task")
     fig.text(0.5, 0.01, "prototype: a class's mean unit feature; danger zone (the paper's Fig. 3): "
              "cos_old > 0.5, a sample close to an old class", ha="center", fontsize=8)
-    save(fig, right, f"{title}, seed {run['seed']}", path)
+    save(fig, f"{title}, seed {run['seed']}", path)
     fig.subplots_adjust(bottom=0.2)  # the caption's room, below tight_layout's
     fig.savefig(path, dpi=120)
 
@@ -1282,7 +1286,7 @@ def plot_time(finished, out):
         right.set(xticks=x)
     left.set(xlabel="task", ylabel="seconds (mean over seeds)", title="time per task")
     right.set(xlabel="task", ylabel="seconds", title="cumulative time")
-    save(fig, left, "training time of each row: the method's passes included, tests not",
+    save(fig, "training time of each row: the method's passes included, tests not",
           os.path.join(out, "time.png"))
     plt.close(fig)
 
