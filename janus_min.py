@@ -609,11 +609,11 @@ def _flag(name):
     return "--" + name.replace("_", "-")
 
 
-def parser(typed_only=False):
-    """Config's flags; typed_only: without defaults, so that parsing returns what was typed."""
+def typed_flags(argv):
+    """{field: value} of the flags typed in argv (argparse's own errors for bad ones)."""
     p = argparse.ArgumentParser(prog="janus_min.py", description=__doc__.split(". Part 1")[0],
                                 epilog=EXAMPLES, formatter_class=argparse.RawTextHelpFormatter,
-                                argument_default=argparse.SUPPRESS if typed_only else None)
+                                argument_default=argparse.SUPPRESS)  # only what was typed
     choices = {"method": list(METHODS), "reproduce": list(REPRODUCE)}
     for f in fields(Config):
         kw = dict(f.metadata, **({"choices": choices[f.name]} if f.name in choices else {}))
@@ -624,18 +624,14 @@ def parser(typed_only=False):
             kw.setdefault("type", {int: int, float: float}.get(f.type, str))
             shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
             kw["help"] += "" if f.default is None else f" (default: {shown})"
-            kw.update({} if typed_only else {"default": f.default})
         p.add_argument(_flag(f.name), **kw)
-    return p
+    return vars(p.parse_args(argv))
 
 
-def parse_args(argv, typed_only=False):
-    """The Config of argv, a --method preset's flags put first (flags typed after override them);
-    typed_only: a dict of the flags typed, and nothing else."""
-    typed = vars(parser(True).parse_args(argv))
-    if typed_only:
-        return typed
-    return Config(**vars(parser().parse_args(METHODS.get(typed.get("method"), []) + argv)))
+def parse_args(argv):
+    """The Config of argv, its --method preset's flags put first (the flags typed override them)."""
+    typed = typed_flags(argv)
+    return Config(**{**typed_flags(METHODS.get(typed.get("method"), [])), **typed})
 
 
 def to_argv(values):
@@ -653,28 +649,31 @@ def configure(argv=None):
     """The command line's Config, filled in and checked, and the flags that give it; --resume DIR:
     the flags of the run there, and those typed now that may change."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    typed = parse_args(argv, typed_only=True)
+    typed = typed_flags(argv)
     if "resume" in typed:
-        fixed = " ".join(_flag(name) for name in typed if name not in RESUME_FREE)
-        if fixed:
-            raise ConfigError(f"--resume continues a run with its own flags: drop {fixed} (only "
-                              "--device, --workers, --compile and more --seeds may change)")
         path = os.path.join(typed["resume"], "config.json")
-        if not os.path.isfile(path):
-            raise ConfigError(f"--resume: no run to continue, {q(path)} is missing; start one "
-                              "with --out")
+        fixed = " ".join(_flag(name) for name in typed if name not in RESUME_FREE)
+        for ok, fix in [(not fixed, f"--resume continues a run with its own flags: drop {fixed} "
+                         "(only --device, --workers, --compile and more --seeds may change)"),
+                        (os.path.isfile(path), f"--resume: no run to continue, {q(path)} is "
+                         "missing; start one with --out")]:
+            _require(ok, fix)
         saved = read_json(path)["argv"]
         old = parse_args(saved).seeds
-        if not set(typed.get("seeds", old)) >= set(old):
-            raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, old))}; give "
-                              "all of them (and more to add seeds) or none")
+        _require(set(typed.get("seeds", old)) >= set(old), f"--resume: the run has the seeds "
+                 f"{' '.join(map(str, old))}; give all of them (and more to add seeds) or none")
         argv = saved + to_argv({k: v for k, v in typed.items() if k != "resume"})
     cfg = check_config(parse_args(argv))
     cfg.resume = typed.get("resume")
-    moot = ignored(cfg, parse_args(argv, typed_only=True))
+    moot = ignored(cfg, typed_flags(argv))
     if moot:
         print(f"note: {' '.join(map(_flag, moot))}: no effect with these settings, ignored")
     return cfg, argv
+
+
+def _require(ok, fix):
+    if not ok:
+        raise ConfigError(fix)
 
 
 def check_config(cfg):
@@ -720,8 +719,7 @@ def check_config(cfg):
         (cfg.reproduce or not cfg.dry_run, "--dry-run goes with --reproduce NAME"),
         (not (cfg.reproduce and cfg.method), "--reproduce sets its rows' methods: drop --method"),
     ]:
-        if not ok:
-            raise ConfigError(fix)
+        _require(ok, fix)
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides classes
     return cfg
 
@@ -744,9 +742,9 @@ class Run:
     def __init__(self, cfg, argv):
         self.cfg, stamp = cfg, time.strftime("%Y%m%d-%H%M%S")
         self.out = cfg.out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-{stamp}")
-        if not cfg.resume and os.path.exists(os.path.join(self.out, "config.json")):
-            raise ConfigError(f"{q(self.out)} holds a run: continue it with --resume "
-                              f"{q(self.out)}, or choose another --out")
+        _require(cfg.resume or not os.path.exists(os.path.join(self.out, "config.json")),
+                 f"{q(self.out)} holds a run: continue it with --resume {q(self.out)}, or choose "
+                 "another --out")
         self.splits, self.model = load_data_and_model(cfg)
         path = os.path.join(self.out, "checkpoint.pt")
         self.saved = (torch.load(path, map_location="cpu", weights_only=True)
@@ -755,9 +753,8 @@ class Run:
         write_json(os.path.join(self.out, "config.json"), {"argv": argv, "config": asdict(cfg)})
         self.results = {"config": asdict(cfg), "environment": environment(cfg),
                         "runs": self.saved["runs"]}
-        print(f"{cfg.dataset}: {len(self.splits.train)} training / {len(self.splits.test)} test "
-              f"images, {cfg.tasks} tasks; {describe(asdict(cfg))}; {cfg.device} "
-              f"{cfg.precision}; out {q(self.out)}", flush=True)
+        print(f"{cfg.dataset}: {len(self.splits.train)} training images, {cfg.tasks} tasks; "
+              f"{describe(asdict(cfg))}; {cfg.device} {cfg.precision}; out {q(self.out)}")
 
     def seeds_left(self):
         return [s for s in self.cfg.seeds if s not in {r["seed"] for r in self.results["runs"]}]
@@ -779,18 +776,16 @@ class Run:
         torch.save(self.saved, path + ".tmp")
         os.replace(path + ".tmp", path)  # atomic: the last complete checkpoint survives anything
 
-    def finish(self, learner):
-        """A seed's last task done: its entry in results.json."""
-        self.results["runs"].append(results_entry(learner, self.cfg.tasks))
-        self.save()
-        self.write_results()
-
-    def write_results(self):
+    def finish(self, learner=None):
+        """A seed's last task done (None: the run's end): its entry in results.json; the summary."""
+        if learner:
+            self.results["runs"].append(results_entry(learner, self.cfg.tasks))
+            self.save()
         self.results["summary"] = summarize(self.results["runs"])
         write_json(os.path.join(self.out, "results.json"), self.results)
 
     def report(self):
-        self.write_results()  # also when a resume found every seed done
+        self.finish()  # also when a resume found every seed done
         print_summary(self.results)
         plot(self.results, self.out)
         print(f"wrote {q(os.path.join(self.out, 'results.json'))}")
@@ -828,8 +823,7 @@ def load_data_and_model(cfg):
             loaded.append(load())
         except (data.DataError, vit.CheckpointError) as e:
             errors.append(str(e))
-    if errors:
-        raise ConfigError(" And: ".join(errors))
+    _require(not errors, " And: ".join(errors))
     return loaded
 
 
@@ -921,11 +915,10 @@ def print_summary(results):
           "the mean change of a task's accuracy from its end to the run's (< 0: forgetting)")
 
 
-def describe(config):
-    """The method's switches in words: the preset's name, and OE (memory), GR (rectify), DML."""
-    c = config
-    return (f"{c['method'] or 'custom'}: OE {c['oe']} ({c['memory']}) GR {c['gr']} "
-            f"({c['rectify']}) DML {c['dml']}")
+def describe(c):
+    """The method's switches in words, from a config dict."""
+    return f"{c['method'] or 'custom'}: OE {c['oe']} ({c['memory']}) GR {c['gr']} " \
+        f"({c['rectify']}) DML {c['dml']}"
 
 
 # ---- The paper's analyses after each task: the null-space violation against the memory and on
@@ -1016,7 +1009,8 @@ def plot(results, out):
     plt = pyplot()
     if plt is None:
         return print("matplotlib is not installed: no plots (results.json has the numbers)")
-    run, title = results["runs"][0], describe(results["config"])
+    c = results["config"]
+    run, title = results["runs"][0], f"{c['dataset']}, T={c['tasks']}, {describe(c)}"
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label, matrices in (("task-agnostic (the paper's)", [r["acc_matrix"] for r in
                                                              results["runs"]]),
@@ -1220,7 +1214,7 @@ def reproduce(cfg, argv):
     what, rows = REPRODUCE[cfg.reproduce]
     out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
     mode = ("reproduce", "row", "dry_run", "out")
-    common = to_argv({k: v for k, v in parse_args(argv, typed_only=True).items() if k not in mode})
+    common = to_argv({k: v for k, v in typed_flags(argv).items() if k not in mode})
     print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows on {cfg.dataset}, T={cfg.tasks}, "
           f"into {q(out)}")
     for row in [cfg.row] if cfg.row else rows:
