@@ -94,14 +94,15 @@ class Config:
 def train_step(learner, opt, images, y, cfg):
     """One training step: the loss, OE's step, the safe gradient, GR, Adam. The learner holds the
     ViT with its LoRA pairs, the task's head (heads[-1]), OE's bases, each block's protected memory
-    M (the finished tasks' OE bases; empty in task 1) and DML's old prototypes. y: labels within
-    the task. Returns the loss and the number right, as tensors (reading them waits for a GPU)."""
+    M (the finished tasks' OE bases) and DML's old prototypes. In task 1, M is empty and there are
+    no old prototypes, so the projection and DML's hinge do nothing yet. y: labels within the task.
+    Returns the loss and the number right, as tensors (reading them would wait for a GPU)."""
     model, head = learner.model, learner.heads[-1]
-    if cfg.memory == "oe-rolling":  # the paper's words read literally: V, as it stands, is M
-        for M, V in zip(learner.memory, learner.oe.basis):
+    if cfg.oe and cfg.memory == "oe-rolling":  # the paper's words read literally: M is V as it
+        for M, V in zip(learner.memory, learner.oe.basis):  # stands (not the default)
             M.copy_(V)
     # LOSS, Eq. (12): the current head's cross-entropy plus lambda times DML, Eq. (11). The LoRA
-    # layers take M in this forward pass, which prepares the safe gradient below.
+    # layers take M in this forward pass: that is where the safe gradient is prepared (below).
     with autocast(images.device, cfg):
         z, kv_inputs = model.encode(images, learner.memory)  # kv_inputs: (B, N+1, D) per block
     z = z.float()
@@ -111,14 +112,15 @@ def train_step(learner, opt, images, y, cfg):
         dml = dml_loss(z, y, learner.prototypes, cfg.margin, cfg.tau, head.out_features)
         loss = loss + cfg.lambda_dml * dml
     # OE, Eqs. (8)-(10): each block's basis V takes a step on this batch's K/V inputs. Ours: V
-    # joins M at the task's end; the projection uses M, never V, which would remove this task's
-    # own gradient (README, "Where the paper is silent").
+    # joins M at the task's end, and the projection uses M, never V: projecting out the current
+    # task's own subspace would remove most of this task's gradient.
     if cfg.oe and cfg.memory != "gpm":
         learner.oe.update(kv_inputs, learner.memory if cfg.memory == "oe" else None)
     del kv_inputs  # released before the backward pass peaks
-    # SAFE GRADIENT, Theorem 1, Eq. (3): G_safe = G (I - M M^T) for G = dL/dW of each K/V layer.
-    # vit.LoRALinear.forward held A's part in span(M) constant, so backward already returns the
-    # factor gradients of G_safe, Eq. (4): s B^T G_safe and s G_safe A^T.
+    # SAFE GRADIENT, Theorem 3.1, Eq. (3): G_safe = G (I - M M^T) for G = dL/dW of each K/V layer.
+    # vit.LoRALinear.forward held A's part in span(M) constant, so backward returns the chain
+    # rule of G_safe (the paper's Eq. (4), transposed there and without s): s B^T G_safe for A and
+    # s G_safe A^T for B.
     opt.zero_grad(set_to_none=True)
     loss.backward()
     layers = [layer for _, _, layer in model.lora_layers()]
@@ -137,7 +139,8 @@ def train_step(learner, opt, images, y, cfg):
 # ---- The Decoupled Margin Loss, Eq. (11) ---------------------------------------------------------
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     """Eq. (11). z (B, D) features, y (B,) labels of the current task (of num_classes), old
-    prototypes (P, D) unit rows. The current prototypes: the batch's unit class means (ours)."""
+    prototypes (P, D) unit rows. The current prototypes: the batch's unit class means, through
+    which the gradient flows too (ours: the paper does not say)."""
     z = F.normalize(z.float(), dim=1)
     onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C)
     protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
@@ -183,12 +186,12 @@ class OnlineSubspace:
             XtXV.append((x.T @ xv).float())
             S.append(_gram(xv))  # (k, k): the energy each direction captures
         CV = _off(torch.stack(XtXV).reshape(V.shape), M)  # X_p^T X_p V
-        S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # idle: still finite
+        S = _ridge(torch.stack(S).reshape(*V.shape[:-2], *S[0].shape), 1e-6)  # invertible at X = 0
         grad = -(CV - V @ (V.mT @ CV))  # the gradient of Eq. (8) at an orthonormal V
         grad = _spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
         lr = torch.full_like(self.steps, self.lr * self.decay_steps)  # ours: eta decays as 1/t;
         lr = lr / (self.decay_steps + self.steps)  # at 1, a step of subspace iteration, C V S^-1
-        V_tilde = V - lr * grad  # Eq. (9)
+        V_tilde = V - lr * grad  # Eq. (9), its step preconditioned by S^-1 (ours)
         V = _qr_q(V_tilde)  # Eq. (10): V <- Q of V_tilde = QR; ours: R's diagonal > 0 (no flips)
         self.basis.copy_(_off(V, M))  # off M again: no round-off leaks into span(M)
         self.steps += 1
@@ -208,7 +211,7 @@ def rectify_gradients_(layers, delta):
     A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
     s = layers[0].scale
-    # autograd left Eq. (4) of G_safe: s B^T G_safe and s G_safe A^T
+    # autograd left the chain rule of G_safe (Eq. (4)): s B^T G_safe and s G_safe A^T
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
@@ -235,7 +238,7 @@ def _off(V, M):
 
 
 def _off_rows(G, M):
-    """G (I - M M^T): G's rows without their part in span(M), Theorem 1's form for a dense G
+    """G (I - M M^T): G's rows without their part in span(M), Theorem 3.1's form for a dense G
     (..., d_out, d_in); training never forms G (vit.LoRALinear.forward)."""
     return G if M.shape[-1] == 0 else G - (G @ M) @ M.mT
 
@@ -288,7 +291,7 @@ def rectified_adam_step_(opt, layers, memory, delta):
 @torch.no_grad()
 def rectify_updates_(layers, before, memories, delta):
     """The step Adam took from `before`, each layer's (A, B), as dW = s (B dA + dB A): projected by
-    Theorem 1, rectified by GR, and split between A and B with the least norm."""
+    Theorem 3.1, rectified by GR, and split between A and B with the least norm."""
     A0 = torch.stack([a for a, _ in before])  # (L, r, d_in)
     B0 = torch.stack([b for _, b in before])  # (L, d_out, r)
     s = layers[0].scale
@@ -395,7 +398,7 @@ def start_task(learner, t, tasks, splits, cfg):
     model = learner.model
     learner.heads.append(torch.nn.Linear(model.embed_dim, len(tasks[t])).to(cfg.device))
     learner.oe.steps.zero_()  # each task's OE starts with large steps
-    if cfg.memory == "oe-rolling":  # V, as it stands, is the memory (train_step keeps it so)
+    if cfg.oe and cfg.memory == "oe-rolling":  # V, as it stands, is M (train_step keeps it so)
         learner.memory = list(learner.oe.basis.clone())
     for _, _, layer in model.lora_layers():
         layer.A.requires_grad_(cfg.lora_a == "trained")  # InfLoRA trains B only
@@ -482,7 +485,7 @@ def end_task(learner, t, tasks, splits, cfg):
     layers = learner.model.lora_layers()
     factors = [(layer.A.detach().clone(), layer.B.detach().clone()) for _, _, layer in layers]
     for i, _, layer in layers:
-        layer.merge_(learner.memory[i])  # W += s B A, then a fresh pair with A off the memory
+        layer.merge_(learner.memory[i])  # ours: W += s B A, then a fresh pair with A off M
     return factors
 
 
@@ -1132,7 +1135,7 @@ def mid_run_learner(cfg, base, m, classes):
     learner.prototypes = F.normalize(torch.randn(classes * (cfg.tasks // 2), D), dim=1)
     learner.prototypes = learner.prototypes.to(cfg.device)
     learner.heads.append(torch.nn.Linear(D, classes).to(cfg.device))
-    if cfg.memory == "oe-rolling":  # V itself, as start_task sets it
+    if cfg.oe and cfg.memory == "oe-rolling":  # V itself, as start_task sets it
         learner.memory = list(learner.oe.basis.clone())
     return learner
 
@@ -1158,12 +1161,13 @@ def benchmark(cfg):
         for _ in range(5):  # warm-up: allocator, kernels, Adam's state, a CUDA graph's recording
             steps[name](images, y)
         peak_mb[name] = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    sync = partial(torch.cuda.synchronize, device) if cuda else (lambda: None)  # CUDA: async
     for _ in range(cfg.steps):
         for name, step in steps.items():
-            torch.cuda.synchronize(device) if cuda else None
+            sync()
             start = time.perf_counter()
             step(images, y)
-            torch.cuda.synchronize(device) if cuda else None  # the step ran asynchronously
+            sync()
             ms[name].append(1e3 * (time.perf_counter() - start))
     print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns a block, "
           f"{cfg.device} {cfg.precision}, compile {cfg.compile}, {cfg.steps} rounds:\n"
@@ -1276,10 +1280,8 @@ def plot_time(finished, out):
         x = list(range(1, len(seconds) + 1))
         left.plot(x, seconds, "o-", label=row)
         right.plot(x, seconds.cumsum(0), "o-", label=row)
-        left.set(xticks=x)
-        right.set(xticks=x)
-    left.set(xlabel="task", ylabel="seconds (mean over seeds)", title="time per task")
-    right.set(xlabel="task", ylabel="seconds", title="cumulative time")
+    left.set(xlabel="task", ylabel="seconds (mean over seeds)", title="time per task", xticks=x)
+    right.set(xlabel="task", ylabel="seconds", title="cumulative time", xticks=x)
     save(fig, "training time of each row: the method's passes included, tests not",
           os.path.join(out, "time.png"))
     plt.close(fig)

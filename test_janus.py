@@ -231,7 +231,7 @@ def test_lora_lifecycle(small):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_lora_forward_gives_the_safe_gradient_of_theorem_1(device):
-    """Theorem 1 through autograd (vit.LoRALinear.forward): the output and input gradient of the
+    """Theorem 3.1 through autograd (vit.LoRALinear.forward): the output and input gradient of the
     dense W = W0 + s B A, and the factor gradients s B^T G_safe, s G_safe A^T."""
     torch.manual_seed(3)
     s, M = 0.7, orthonormal(24, 6, device=device)
@@ -743,7 +743,7 @@ def test_missing_data_names_the_folder_the_source_and_the_flag(tmp_path, name, d
 
 
 # ==================================================================================================
-# janus_min.py, the method: Theorem 1, GR, OE, DML, metrics, and our --rectify update
+# janus_min.py, the method: Theorem 3.1, GR, OE, DML, metrics, and our --rectify update
 # ==================================================================================================
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("d_out", [20, 12])  # square, so that a projection on the wrong side runs

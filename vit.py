@@ -48,7 +48,7 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if memory is None or memory.shape[1] == 0:
             return out + self.scale * F.linear(F.linear(x, self.A), self.B)
-        # Janus-LoRA Theorem 1, Eq. (3), by autograd. A = A_out + A_in, A_in = A M M^T constant:
+        # Janus-LoRA Theorem 3.1, Eq. (3), by autograd. A = A_out + A_in, A_in = A M M^T constant:
         # the output and dL/dx are unchanged, and the factor gradients become the chain rule of the
         # safe gradient, dL/dA = s B^T G (I - M M^T), dL/dB = s G (I - M M^T) A^T (G = dL/dW).
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
