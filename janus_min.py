@@ -92,19 +92,22 @@ class Config:
 
 # ==== The paper's method (Sec. 3), one step as "The Integrated Janus-LoRA Update Process" =========
 def train_step(learner, opt, images, y, cfg):
-    """One training step: the loss, OE's step, the safe gradient, GR, Adam. The learner holds the
-    ViT with its LoRA pairs, the task's head (heads[-1]), OE's bases, each block's protected memory
-    M (the finished tasks' OE bases) and DML's old prototypes. In task 1, M is empty and there are
-    no old prototypes, so the projection and DML's hinge do nothing yet. y: labels within the task.
-    Returns the loss and the number right, as tensors (reading them would wait for a GPU)."""
+    """One training step: the loss, OE's step, the safe gradient, GR, Adam. The learner (Learner)
+    holds the ViT with its LoRA pairs, the task's head (heads[-1]), OE's bases, each block's
+    protected memory M (the finished tasks' OE bases) and DML's old prototypes. In task 1, M is
+    empty and there are no old prototypes, so the projection and DML's hinge do nothing yet. opt:
+    Adam (lr set per epoch) on the LoRA factors and the head. y: labels within the task. Returns
+    the loss and the number right, as tensors (reading them would wait for a GPU)."""
     model, head = learner.model, learner.heads[-1]
     if cfg.oe and cfg.memory == "oe-rolling":  # the paper's words read literally: M is V as it
         for M, V in zip(learner.memory, learner.oe.basis):  # stands (not the default)
             M.copy_(V)
     # LOSS, Eq. (12): the current head's cross-entropy plus lambda times DML, Eq. (11). The LoRA
     # layers take M in this forward pass: that is where the safe gradient is prepared (below).
+    # z (B, D): the class token after the final LayerNorm. kv_inputs: each block's input to K and
+    # V, (B, N+1, D); K and V share it, so a block has one M. Autocast: bf16 on CUDA, else none.
     with autocast(images.device, cfg):
-        z, kv_inputs = model.encode(images, learner.memory)  # kv_inputs: (B, N+1, D) per block
+        z, kv_inputs = model.encode(images, learner.memory)
     z = z.float()
     logits = head(z)
     loss = F.cross_entropy(logits, y)
@@ -124,7 +127,8 @@ def train_step(learner, opt, images, y, cfg):
     opt.zero_grad(set_to_none=True)
     loss.backward()
     layers = [layer for _, _, layer in model.lora_layers()]
-    # GR, Eqs. (5)-(7): the factor gradients whose composite s (B dA + dB A) best matches G_safe
+    # GR, Eqs. (5)-(7): the factor gradients whose composite s (B dA + dB A) best matches G_safe.
+    # The paper's GR rectifies a step -eta G; being linear, it can take G itself.
     if cfg.gr and cfg.rectify == "grad":
         rectify_gradients_(layers, cfg.delta)
     # ADAM takes them, as the paper says. Its per-coordinate scaling moves the step out of the
@@ -211,7 +215,8 @@ def rectify_gradients_(layers, delta):
     A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
     s = layers[0].scale
-    # autograd left the chain rule of G_safe (Eq. (4)): s B^T G_safe and s G_safe A^T
+    # autograd left the chain rule of G_safe (Eq. (4)), s B^T G_safe and s G_safe A^T; GR's
+    # Eqs. (6)-(7) take the products without s (and divide by s themselves)
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
@@ -656,11 +661,10 @@ def configure(argv=None):
     if "resume" in typed:
         path = os.path.join(typed["resume"], "config.json")
         fixed = " ".join(_flag(name) for name in typed if name not in RESUME_FREE)
-        for ok, fix in [(not fixed, f"--resume continues a run with its own flags: drop {fixed} "
-                         "(only --device, --workers, --compile and more --seeds may change)"),
-                        (os.path.isfile(path), f"--resume: no run to continue, {q(path)} is "
-                         "missing; start one with --out")]:
-            _require(ok, fix)
+        _require(not fixed, f"--resume continues a run with its own flags: drop {fixed} (only "
+                 "--device, --workers, --compile and more --seeds may change)")
+        _require(os.path.isfile(path), f"--resume: no run to continue, {q(path)} is missing; "
+                 "start one with --out")
         saved = read_json(path)["argv"]
         old = parse_args(saved).seeds
         _require(set(typed.get("seeds", old)) >= set(old), f"--resume: the run has the seeds "
@@ -668,7 +672,12 @@ def configure(argv=None):
         argv = saved + to_argv({k: v for k, v in typed.items() if k != "resume"})
     cfg = check_config(parse_args(argv))
     cfg.resume = typed.get("resume")
-    moot = ignored(cfg, typed_flags(argv))
+    moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,  # no effect: a note
+            "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
+            "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml,
+            "precision": cfg.device == "cpu"}
+    given = typed_flags(argv)
+    moot = sorted({n for names, off in moot.items() if off for n in names.split() if n in given})
     if moot:
         print(f"note: {' '.join(map(_flag, moot))}: no effect with these settings, ignored")
     return cfg, argv
@@ -727,20 +736,10 @@ def check_config(cfg):
     return cfg
 
 
-def ignored(cfg, typed):
-    """The typed flags that cfg's switches make meaningless (a note says so; they do no harm)."""
-    moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,
-            "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
-            "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml,
-            "precision": cfg.device == "cpu"}
-    return sorted({n for names, off in moot.items() if off for n in names.split() if n in typed})
-
-
 # ---- The run folder: config.json, checkpoint.pt, results.json ------------------------------------
 class Run:
-    """A run in its folder: config.json from its start (another run there is refused), checkpoint.pt
-    after each task (written, then renamed: an interruption loses nothing), results.json after
-    each seed; and the data and the backbone it trains on."""
+    """A run's folder (config.json, checkpoint.pt after each task, results.json after each seed),
+    its data and its backbone; a folder that holds another run is refused."""
 
     def __init__(self, cfg, argv):
         self.cfg, stamp = cfg, time.strftime("%Y%m%d-%H%M%S")
@@ -763,15 +762,31 @@ class Run:
         return [s for s in self.cfg.seeds if s not in {r["seed"] for r in self.results["runs"]}]
 
     def restore(self, learner):
-        """A seed that an interruption stopped: its state after its last finished task."""
-        if self.saved["current"] and self.saved["current"]["seed"] == learner.seed:
-            restore(learner, self.saved["current"], self.cfg.device)
-            print(f"seed {learner.seed}: resumed after task {len(learner.acc)}", flush=True)
+        """A seed that an interruption stopped: the learner as after_task saved it."""
+        state, device = dict(self.saved["current"] or {}), self.cfg.device
+        if state.get("seed") != learner.seed:
+            return
+        learner.model.load_state_dict(state.pop("model"), strict=False)  # K and V, tasks merged in
+        learner.oe.basis, learner.oe.steps = (x.to(device) for x in state.pop("oe"))
+        for head in state.pop("heads"):
+            learner.heads.append(torch.nn.Linear(*head["weight"].shape[::-1]).to(device))
+            learner.heads[-1].load_state_dict(head)
+        learner.memory = [M.to(device) for M in state.pop("memory")]
+        learner.prototypes = state.pop("prototypes").to(device)
+        torch.set_rng_state(state.pop("rng"))  # last: the heads above drew from it
+        for name, value in state.items():  # the seed, and what was measured
+            setattr(learner, name, value)
+        print(f"seed {learner.seed}: resumed after task {len(learner.acc)}", flush=True)
 
     def after_task(self, learner, t, factors, memory):
-        """After task t: the paper's analyses, and checkpoint.pt."""
+        """After task t: the paper's analyses; checkpoint.pt with the learner and the generator."""
         record_analyses(learner, t, factors, memory, self.splits, self.cfg)
-        self.saved["current"] = snapshot(learner)
+        state = {f.name: getattr(learner, f.name) for f in fields(Learner)}
+        state["model"] = {n: x for n, x in learner.model.state_dict().items()
+                          if ".attn.k." in n or ".attn.v." in n}  # the rest is the pretrained one's
+        state["oe"] = [learner.oe.basis, learner.oe.steps]
+        state["heads"] = [head.state_dict() for head in learner.heads]
+        self.saved["current"] = {**state, "rng": torch.get_rng_state()}
         self.save()
 
     def save(self):
@@ -828,31 +843,6 @@ def load_data_and_model(cfg):
             errors.append(str(e))
     _require(not errors, " And: ".join(errors))
     return loaded
-
-
-def snapshot(learner):
-    """checkpoint.pt's "current": the learner after its last finished task, and the generator."""
-    state = {f.name: getattr(learner, f.name) for f in fields(Learner)}
-    state["model"] = {n: t for n, t in learner.model.state_dict().items()
-                      if ".attn.k." in n or ".attn.v." in n}  # the rest is the pretrained one's
-    state["oe"] = [learner.oe.basis, learner.oe.steps]
-    state["heads"] = [head.state_dict() for head in learner.heads]
-    return {**state, "rng": torch.get_rng_state()}
-
-
-def restore(learner, state, device):
-    """The learner as snapshot(learner) saved it."""
-    state = dict(state)
-    learner.model.load_state_dict(state.pop("model"), strict=False)  # K and V, tasks merged in
-    learner.oe.basis, learner.oe.steps = (x.to(device) for x in state.pop("oe"))
-    for head in state.pop("heads"):
-        learner.heads.append(torch.nn.Linear(*head["weight"].shape[::-1]).to(device))
-        learner.heads[-1].load_state_dict(head)
-    learner.memory = [M.to(device) for M in state.pop("memory")]
-    learner.prototypes = state.pop("prototypes").to(device)
-    torch.set_rng_state(state.pop("rng"))  # last: the heads above drew from it
-    for name, value in state.items():  # the seed, and what was measured
-        setattr(learner, name, value)
 
 
 def environment(cfg):
@@ -1012,13 +1002,11 @@ def plot(results, out):
     plt = pyplot()
     if plt is None:
         return print("matplotlib is not installed: no plots (results.json has the numbers)")
-    c = results["config"]
-    run, title = results["runs"][0], f"{c['dataset']}, T={c['tasks']}, {describe(c)}"
+    c, runs = results["config"], results["runs"]
+    title = f"{c['dataset']}, T={c['tasks']}, {describe(c)}"
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for label, matrices in (("task-agnostic (the paper's)", [r["acc_matrix"] for r in
-                                                             results["runs"]]),
-                            ("task-aware (ours)", [r["task_aware"]["acc_matrix"] for r in
-                                                   results["runs"]])):
+    for label, matrices in (("task-agnostic (the paper's)", [r["acc_matrix"] for r in runs]),
+                            ("task-aware (ours)", [r["task_aware"]["acc_matrix"] for r in runs])):
         curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(matrix)]
                                for matrix in matrices])  # (seeds, T)
         x = list(range(1, curves.shape[1] + 1))
@@ -1027,18 +1015,20 @@ def plot(results, out):
                         label="its min-max over seeds")
     ax.set(xlabel="task", ylabel="mean accuracy on the seen tasks (%)", xticks=x)
     save(fig, title, os.path.join(out, "trajectory.png"))
-    plot_violation(plt, run, title, os.path.join(out, "violation.png"))
-    if any(run["geometry"]):
-        plot_angular(plt, run, title, os.path.join(out, "angular.png"))
+    plot_violation(plt, runs[0], title, os.path.join(out, "violation.png"))
+    if any(runs[0]["geometry"]):
+        plot_angular(plt, runs[0], title, os.path.join(out, "angular.png"))
     plt.close("all")
 
 
-def save(fig, title, path):
+def save(fig, title, path, bottom=None):
     fig.suptitle(title, fontsize=9)
     for ax in fig.axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
+    if bottom:
+        fig.subplots_adjust(bottom=bottom)  # a caption's room, below tight_layout's
     fig.savefig(path, dpi=120)
 
 
@@ -1085,18 +1075,15 @@ def plot_angular(plt, run, title, path):
     right.set(xlabel="cos_old", ylabel="share of the task's test samples", title="cos_old per task")
     fig.text(0.5, 0.01, "prototype: a class's mean unit feature; danger zone (the paper's Fig. 3): "
              "cos_old > 0.5, a sample close to an old class", ha="center", fontsize=8)
-    save(fig, f"{title}, seed {run['seed']}", path)
-    fig.subplots_adjust(bottom=0.2)  # the caption's room, below tight_layout's
-    fig.savefig(path, dpi=120)
+    save(fig, f"{title}, seed {run['seed']}", path, bottom=0.2)
 
 
 # ---- Speed (ours): --compile's CUDA graph, and --benchmark ---------------------------------------
 class StepGraph:
-    """After `warmup` ordinary steps, a task's train_step recorded as one CUDA graph and replayed
-    for each batch of that shape: the host does nothing per step. A replay repeats the recorded
-    kernels on the same addresses, so everything a step changes is changed in place (OE's basis
-    and step count, the rolling memory, Adam's state and lr), and nothing in it waits on the host
-    (_spd_solve, OE's lr as a tensor)."""
+    """After `warmup` ordinary steps, train_step recorded as one CUDA graph, replayed for each batch
+    of that shape. A replay repeats the kernels on the same addresses, so a step changes all in
+    place (OE's basis and steps, the rolling memory, Adam's state and lr), never waiting on the
+    host (_spd_solve, OE's lr as a tensor)."""
 
     def __init__(self, step, warmup=3):
         self.step, self.warmup, self.graph = step, warmup, None
@@ -1143,8 +1130,7 @@ def mid_run_learner(cfg, base, m, classes):
 def benchmark(cfg):
     """Plain LoRA, janus-grad and janus-update on one random batch, a step of each in turn, so
     that drift hits all alike; the median of the per-round ratios to plain."""
-    device = torch.device(cfg.device)
-    cuda = device.type == "cuda"
+    device, cuda = cfg.device, cfg.device.startswith("cuda")
     classes = data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
     base = build_model(replace(cfg, weights="none"))  # random weights: the same cost
     m = min(cfg.k * (cfg.tasks // 2), base.embed_dim - cfg.k)  # the memory at mid-run
@@ -1188,8 +1174,7 @@ def benchmark(cfg):
 
 
 # ---- --reproduce: every row of a table or figure of the paper, one command, resumable ------------
-# NAME: (what it reproduces, {row: its flags}); the sweeps' values as read in the paper. The
-# paper's own numbers are in the README.
+# NAME: (what it reproduces, {row: its flags}), the sweeps' values as read in the paper (README)
 REPRODUCE = {
     "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", {
         "1": ["--no-oe", "--no-gr", "--no-dml"], "2": ["--no-oe", "--no-gr"],
@@ -1248,9 +1233,8 @@ def write_table(cfg, out, rows):
              "", "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
              "violation | danger share | s / task |", "|" + "---|" * 11]
     finished = {row: row_runs(os.path.join(out, row)) for row in rows}
+    finished = {row: runs for row, runs in finished.items() if runs}
     for row, runs in finished.items():
-        if not runs:
-            continue
         s = summarize(runs)
         cells = [f"{_fmt(s[k]['mean'])} ± {_fmt(s[k]['std'])}" for k in
                  ("ACC", "MAA", "BWT", "sample_ACC")] + [_fmt(s["task_aware"]["ACC"]["mean"])]
@@ -1260,12 +1244,12 @@ def write_table(cfg, out, rows):
         cells.append(_fmt(_mean([x for r in runs for x in r["task_seconds"]]), ".1f"))
         lines.append(f"| {row} | `{' '.join(rows[row]) or '(none)'}` | {len(runs)} | " +
                      " | ".join(cells) + " |")
-    missing = [row for row, runs in finished.items() if not runs]
+    missing = [row for row in rows if row not in finished]
     text = "\n".join(lines + ([f"\nNot finished yet: {', '.join(missing)}."] if missing else []))
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text + "\n")
     print(f"{text}\nwrote {q(os.path.join(out, 'table.md'))}")
-    plot_time({row: runs for row, runs in finished.items() if runs}, out)
+    plot_time(finished, out)
     return 0
 
 
