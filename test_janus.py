@@ -1,83 +1,41 @@
-"""Property checks for Janus-LoRA minimal: each test asserts an identity, an oracle or a bound that
-breaks when the code is wrong. CPU, random weights, files and data the tests write; the method's
-checks also run on CUDA when present. Sections follow the files: vit.py, data.py, janus_min.py (the
-method, then the program). Run: pytest -q
+"""Property checks for Janus-LoRA minimal: each asserts an identity, an oracle or a bound that
+breaks when the code is wrong. CPU, random weights, files the tests write (the method on CUDA too).
 """
-import contextlib
-import copy
-import dataclasses
-import functools
-import gzip
-import io
-import json
-import math
-import pickle
-import re
-import shlex
-import shutil
-import struct
-import tarfile
-import time
-import urllib.error
-import urllib.request
+import contextlib, copy, dataclasses, functools, gzip, io, json, math, pickle, re, shlex, shutil
+import struct, tarfile, time, urllib.error, urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
-import pytest
-import torch
-import torch.nn.functional as F
-import torchvision
+import numpy as np, pytest, torch, torch.nn.functional as F, torchvision
 from PIL import Image
 
-import data
-import janus_min as jm
-import vit
+import data, janus_min as jm, vit
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
 @pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Every test runs offline: none may download a data set or a checkpoint."""
+def no_network(monkeypatch):  # every test runs offline: no data set or checkpoint downloads
     def offline(*args, **kwargs):
         raise urllib.error.URLError("the tests run offline")
     monkeypatch.setattr(urllib.request, "urlopen", offline)  # torchvision's dataset downloads
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)  # vit.load_pretrained
-
-
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def rectify(G_safe, A, B, s, delta=1e-4):
-    """Eqs. (6)-(7) for a dense G_safe (d_out, d_in): GR from the two products it needs."""
+def rectify(G_safe, A, B, s, delta=1e-4):  # Eqs. (6)-(7) for a dense G_safe (d_out, d_in)
     return jm.rectify_factors(B.mT @ G_safe, G_safe @ A.mT, A, B, s, delta)
-
-
 def orthonormal(d, m, dtype=torch.float64, device="cpu", gen=None):
     return torch.linalg.qr(torch.randn(d, m, dtype=dtype, generator=gen).to(device)).Q
 
-
-# ==================================================================================================
-# vit.py: the backbone, LoRA, checkpoint loading
-# ==================================================================================================
+# ======================== vit.py: the backbone, LoRA, checkpoint loading ========================
 _TV_TO_TIMM = [(r'^class_token$', 'cls_token'), (r'^encoder\.pos_embedding$', 'pos_embed'),
                (r'^conv_proj\.', 'patch_embed.proj.'), (r'^encoder\.ln\.', 'norm.'),
                (r'^heads\.head\.', 'head.'), (r'\.ln_1\.', '.norm1.'), (r'\.ln_2\.', '.norm2.'),
                (r'^encoder\.layers\.encoder_layer_(\d+)\.', r'blocks.\1.'),
                (r'\.self_attention\.in_proj_', '.attn.qkv.'), (r'\.mlp\.0\.', '.mlp.fc1.'),
                (r'\.self_attention\.out_proj\.', '.attn.proj.'), (r'\.mlp\.3\.', '.mlp.fc2.')]
-
-
-def tv_to_timm(sd):
-    """A torchvision state dict in the timm layout (fused qkv, patch_embed.proj)."""
+def tv_to_timm(sd):  # a torchvision state dict in the timm layout (fused qkv, patch_embed.proj)
     return {functools.reduce(lambda k, rule: re.sub(*rule, k), _TV_TO_TIMM, k): v.clone()
             for k, v in sd.items()}
-
-
-def write_npz(sd, path, heads):
-    """The public AugReg layout: HWIO conv kernel, (in, out) dense kernels, per-head q/k/v/out."""
+def write_npz(sd, path, heads):  # AugReg's layout: HWIO conv, (in, out) dense, per-head q/k/v/out
     d, e = sd['class_token'].shape[-1], 'Transformer/encoder'
     a = {'embedding/kernel': sd['conv_proj.weight'].permute(2, 3, 1, 0), 'cls': sd['class_token'],
          'embedding/bias': sd['conv_proj.bias'], e + '_norm/bias': sd['encoder.ln.bias'],
@@ -100,8 +58,6 @@ def write_npz(sd, path, heads):
             a[f'{g}MlpBlock_3/Dense_{n}/kernel'] = sd[f'{t}mlp.{j}.weight'].T
             a[f'{g}MlpBlock_3/Dense_{n}/bias'] = sd[f'{t}mlp.{j}.bias']
     np.savez(path, **{k: v.numpy() for k, v in a.items()})
-
-
 def write_safetensors(sd, path):
     header, blobs = {'__metadata__': {'format': 'pt'}}, b''
     for k, v in sd.items():
@@ -112,30 +68,20 @@ def write_safetensors(sd, path):
     h = json.dumps(header).encode()
     h += b' ' * (-len(h) % 8)  # the format pads the header to 8 bytes
     Path(path).write_bytes(len(h).to_bytes(8, 'little') + h + blobs)
-
-
 def features(model, x):
     if isinstance(model, torchvision.models.VisionTransformer):
         model.heads = torch.nn.Identity()  # its forward then returns the normed class token
     with torch.no_grad():
         return model.eval()(x)
-
-
-def load(model, source):
-    """vit.load_pretrained's one printed line."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+def load(model, source):  # -> vit.load_pretrained's one printed line
+    with contextlib.redirect_stdout(io.StringIO()) as out:
         vit.load_pretrained(model, source)
     assert out.getvalue().count('\n') == 1, out.getvalue()
     return out.getvalue()
-
-
 @pytest.fixture(scope='module')
-def small(tmp_path_factory):
-    """A 2-block Ti-width torchvision ViT: its sd, inputs x, features ref, paths {format: file}."""
+def small(tmp_path_factory):  # a 2-block Ti-width torchvision ViT: sd, x, features ref, paths
     torch.manual_seed(1)
-    tv = torchvision.models.VisionTransformer(224, 16, num_layers=2, num_heads=3, hidden_dim=192,
-                                              mlp_dim=768)
+    tv = torchvision.models.VisionTransformer(224, 16, 2, 3, 192, 768)  # 2 layers, 3 heads
     sd, x = {k: v.clone() for k, v in tv.state_dict().items()}, torch.randn(3, 3, 224, 224)
     d = tmp_path_factory.mktemp('small')
     paths = {f: d / f'w.{f}' for f in ('torchvision', 'npz', 'timm', 'safetensors')}
@@ -144,16 +90,10 @@ def small(tmp_path_factory):
     torch.save(tv_to_timm(sd), paths['timm'])
     write_safetensors(tv_to_timm(sd), paths['safetensors'])
     return dict(sd=sd, x=x, ref=features(tv, x), paths=paths)
-
-
 def _torch(edit, **kwargs):  # torch.save(edit(a copy of the small state dict))
     return lambda small, path: torch.save(edit(dict(small['sd'])), path, **kwargs)
-
-
 def _bytes(edit, fmt='safetensors'):  # edit(the bytes of one of the small files)
     return lambda small, path: path.write_bytes(edit(small['paths'][fmt].read_bytes()))
-
-
 IGNORED = {'torchvision': 'heads.head.bias, heads.head.weight', 'npz': 'head/bias, head/kernel',
            'timm': 'head.bias, head.weight'}  # the classifier, in each key layout
 GOOD = {  # id: (how to write the file w, its container, its key layout)
@@ -166,8 +106,6 @@ GOOD = {  # id: (how to write the file w, its container, its key layout)
         k.replace('mlp.0.', 'mlp.linear_1.').replace('mlp.3.', 'mlp.linear_2.'): v
         for k, v in sd.items()}), 'torch', 'torchvision'),
     'legacy-pickle': (_torch(dict, _use_new_zipfile_serialization=False), 'torch', 'torchvision')}
-
-
 @pytest.mark.parametrize('case', GOOD)
 def test_every_format_loads_the_same_weights(small, tmp_path, case):
     write, container, layout = GOOD[case]
@@ -177,7 +115,6 @@ def test_every_format_loads_the_same_weights(small, tmp_path, case):
                                                 'tensors loaded, ignored checkpoint keys: '
                                                 f'{IGNORED[layout]}\n')
     assert (features(model, small['x']) - small['ref']).abs().max() <= 1e-5
-
 
 def test_vit_b16_matches_torchvision(tmp_path):
     torch.manual_seed(0)
@@ -189,10 +126,8 @@ def test_vit_b16_matches_torchvision(tmp_path):
     assert (features(model, x) - features(tv, x)).abs().max() <= 1e-4
     assert sum(p.numel() for p in model.parameters() if not p.requires_grad) == 85_798_656
 
-
 def test_lora_lifecycle(small):
-    """Loading leaves A, B alone; only A, B train; B = 0 changes nothing; merge keeps the output
-    (at a LoRA scale s = 0.5: it folds s B A in) and starts a fresh pair with A off the memory."""
+    """Load leaves A, B; only they train; B = 0: no change; merge_ keeps the output, A off M."""
     torch.manual_seed(2)
     model, x = vit.vit_tiny_patch16(depth=2, lora_scale=0.5), small['x']
     params = model.lora_parameters()
@@ -228,17 +163,14 @@ def test_lora_lifecycle(small):
     for layer in (model.blocks[1].attn.k, model.blocks[1].attn.v):  # K and V share the memory
         assert (layer.A @ memory).abs().max() <= 1e-5
 
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_lora_forward_gives_the_safe_gradient_of_theorem_1(device):
-    """Theorem 3.1 through autograd (vit.LoRALinear.forward): the output and input gradient of the
-    dense W = W0 + s B A, and the factor gradients s B^T G_safe, s G_safe A^T."""
+    """Theorem 3.1 via autograd: out, dx of W0 + s B A; dA = s B^T G_safe, dB = s G_safe A^T."""
     torch.manual_seed(3)
     s, M = 0.7, orthonormal(24, 6, device=device)
     layer = vit.LoRALinear(24, 20, 4, s).double().to(device)
-    with torch.no_grad():
-        layer.B.normal_()
-        layer.A.normal_()  # A deliberately NOT orthogonal to M: the general case
+    for p in (layer.B, layer.A):  # A deliberately NOT orthogonal to M: the general case
+        torch.nn.init.normal_(p)
     x = torch.randn(7, 5, 24, dtype=torch.float64, device=device, requires_grad=True)
     upstream = torch.randn(7, 5, 20, dtype=torch.float64, device=device)
     out = layer(x, M)
@@ -250,7 +182,6 @@ def test_lora_forward_gives_the_safe_gradient_of_theorem_1(device):
     assert torch.allclose(out, out_ref, atol=1e-12) and torch.allclose(dx, dx_ref, atol=1e-12)
     assert torch.allclose(dA, s * layer.B.T @ G_safe, atol=1e-12)
     assert torch.allclose(dB, s * G_safe @ layer.A.T, atol=1e-12)
-
 
 LN2 = 'encoder.layers.encoder_layer_1.ln_2.bias'
 BAD = {  # id: (how to write the file w, what the error must say[, preset, depth: not vit_tiny, 2])
@@ -273,15 +204,12 @@ BAD = {  # id: (how to write the file w, what the error must say[, preset, depth
     'absent': (lambda small, path: None, 'w: absent, truncated or corrupt'),
     **{f'truncated-{fmt}': (_bytes(lambda raw: raw[:len(raw) // 2], fmt), 'w: absent, truncated')
        for fmt in ('torchvision', 'npz', 'timm', 'safetensors')}}
-
-
 @pytest.mark.parametrize('case', BAD)
 def test_bad_checkpoints_fail_with_a_named_problem(small, tmp_path, case):
     write, pattern, preset, depth = (BAD[case] + ('vit_tiny', 2))[:4]
     write(small, tmp_path / 'w')
     with pytest.raises(vit.CheckpointError, match=pattern):
         vit.load_pretrained(vit.PRESETS[preset](depth=depth), tmp_path / 'w')
-
 
 @pytest.mark.parametrize('img_size, grid', [(384, 24), (32, 2)])
 def test_position_embedding_is_resized(small, img_size, grid):
@@ -292,7 +220,6 @@ def test_position_embedding_is_resized(small, img_size, grid):
     tokens = F.interpolate(tokens, (grid, grid), mode='bicubic', antialias=True).flatten(2).mT
     assert torch.allclose(model.pos_embed, torch.cat([pos[:, :1], tokens], 1), atol=1e-6)
     assert torch.isfinite(features(model, torch.randn(2, 3, img_size, img_size))).all()
-
 
 def test_named_sources_offline_and_in_the_hub_cache(small, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.hub, 'get_dir', lambda: str(tmp_path))
@@ -321,20 +248,14 @@ def test_named_sources_offline_and_in_the_hub_cache(small, tmp_path, monkeypatch
         assert (features(model, small['x']) - small['ref']).abs().max() <= 1e-5
     assert calls == [(in21k, cached)]
 
-
-# ==================================================================================================
-# data.py: data sets, task splits, seeded loaders
-# ==================================================================================================
+# ======================== data.py: data sets, task splits, seeded loaders ========================
 MEAN_STD = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 DEBIAN_FASHION = Path('/usr/share/datasets/fashion-mnist')
 CIFAR100_URL = 'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz'
-
-
 def _load(name, root, size=32, **kw):
     return data.load_dataset(name, root, size, *MEAN_STD, download=False, **kw)
-
-
-def test_task_classes_partition_and_errors():
+def test_task_classes_and_the_synthetic_set():
+    """task_classes: contiguous, disjoint, covering; synthetic: seeded, disjoint, per-class cap."""
     for classes, tasks in [(100, 10), (200, 20), (345, 5), (12, 3), (10, 5)]:
         split = data.task_classes(classes, tasks)
         assert len(split) == tasks and all(len(t) == classes // tasks for t in split)
@@ -346,9 +267,6 @@ def test_task_classes_partition_and_errors():
     with pytest.raises(data.DataError) as err:
         _load('mnist', '.')
     assert all(name in str(err.value) for name in data.DATASETS)  # the known ones, listed
-
-
-def test_synthetic_deterministic_disjoint_and_limit_per_class():
     a, b, c = (_load('synthetic', None, seed=s) for s in (3, 3, 4))
     assert a.num_classes == 12 and (len(a.train), len(a.test)) == (12 * 24, 12 * 8)
     x, y = a.train[5]
@@ -368,17 +286,15 @@ def test_synthetic_deterministic_disjoint_and_limit_per_class():
     kept = {tuple(t.flatten().tolist()) for t in five.train.source}
     assert kept <= {tuple(t.flatten().tolist()) for t in _load('synthetic', None).train.source}
 
-
-class _Noisy(torch.utils.data.Dataset):
-    """Stands in for a random augmentation: each item draws from torch's global generator."""
-    def __len__(self):
-        return 12
-
-    def __getitem__(self, i):
-        return torch.rand(3), i
-
-
-def test_loader_draws_depend_on_the_seed_only():
+class _Noisy(torch.utils.data.Dataset):  # a random augmentation: items draw from torch's generator
+    __len__ = lambda self: 12
+    __getitem__ = lambda self, i: (torch.rand(3), i)
+def _pipeline(source, spec, device, batch_size=64, train=True, seed=0):  # the device pipeline
+    ds = data._Images(source, list(range(len(source))), None, spec)  # label i: image i
+    return data.DeviceLoader(ds, batch_size, train, seed, torch.device(device))
+@pytest.mark.parametrize('device', DEVICES)
+def test_loader_and_pipeline_draws_depend_on_the_seed_only(device):
+    """Both loaders: draws from the seed alone, new each epoch; eval: the set's order, as it is."""
     epochs = {}
     for workers in (0, 2):
         loader = data.make_loader(_Noisy(), 4, True, workers, seed=5)
@@ -394,80 +310,6 @@ def test_loader_draws_depend_on_the_seed_only():
     state = torch.get_rng_state()
     list(data.make_loader(_Noisy(), 4, True, 0, seed=5))  # loading in the main process ...
     assert torch.equal(state, torch.get_rng_state())  # ... leaves the run's generator alone
-
-
-# The device-resident pipeline: on the CPU here, and on CUDA too where there is one
-def _pipeline(source, spec, device, batch_size=64, train=True, seed=0):
-    ds = data._Images(source, list(range(len(source))), None, spec)  # label i: image i
-    return data.DeviceLoader(ds, batch_size, train, seed, torch.device(device))
-
-
-@pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('size', [48, 8])  # 8 px: most crops of the 20 x 24 image downsample
-def test_resized_crops_are_torchvisions_resized_crops(device, size):
-    """resized_crops equals torchvision's resized_crop (bilinear, antialiased), box by box."""
-    gen = torch.Generator().manual_seed(0)
-    x, boxes = torch.rand(64, 3, 20, 24, generator=gen), data.crop_boxes(gen, 64, 20, 24)
-    boxes[0] = torch.tensor([0, 0, 20, 24])  # the whole image too
-    no_flip = torch.zeros(64, dtype=torch.bool, device=device)
-    out = data.resized_crops(x.to(device), boxes.to(device), size, no_flip).cpu()
-    ref = torch.stack([torchvision.transforms.functional.resized_crop(
-        img, *box.tolist(), [size, size], antialias=True) for img, box in zip(x, boxes)])
-    # the same weights by another formula, summed in another order in float32: on values in
-    # [0, 1] the round-off is ~1e-6 (2e-6 seen), a wrong weight or half-pixel shift ~1e-2
-    assert float((out - ref).abs().max()) < 1e-5
-
-
-def _ks(a, b):
-    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
-    a, b = a.double().sort().values, b.double().sort().values
-    cdf = lambda s: torch.searchsorted(s, torch.cat([a, b]), right=True) / len(s)
-    return float((cdf(a) - cdf(b)).abs().max())
-
-
-# on 4 x 40 px most draws fall back to torchvision's centre box of ratio 4/3: (0, 17, 4, 5)
-@pytest.mark.parametrize('height, width, fallback', [(32, 32, None), (4, 40, [0, 17, 4, 5])])
-def test_crop_boxes_follow_torchvisions_distribution(height, width, fallback):
-    """crop_boxes draws as RandomResizedCrop.get_params: KS-close laws, the fallback as often."""
-    n, m = 20000, 4000
-    ours = data.crop_boxes(torch.Generator().manual_seed(1), n, height, width)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(2)
-        img = torch.zeros(1, height, width)
-        theirs = torch.tensor([torchvision.transforms.RandomResizedCrop.get_params(
-            img, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(m)])  # (m, 4) top, left, h, w
-    # KS critical value c sqrt(1/n + 1/m) = 0.034, c = sqrt(ln(2 / alpha) / 2) = 1.95 at alpha =
-    # 1e-3; conservative for these discrete laws
-    bound = 1.95 * math.sqrt(1 / n + 1 / m)
-    laws = lambda b: [*b.double().T, b[:, 2] * b[:, 3], b[:, 3] / b[:, 2]]  # ..., area, aspect
-    for a, b in zip(laws(ours), laws(theirs)):
-        assert _ks(a, b) < bound
-    if fallback:  # its share: a step of the CDFs, within the same bound
-        share = [float((b == torch.tensor(fallback)).all(1).double().mean()) for b in
-                 (ours, theirs)]
-        assert share[1] > 0.5 and abs(share[0] - share[1]) < bound
-
-
-@pytest.mark.parametrize('device', DEVICES)
-def test_flips_are_fair_coins_and_exact_mirrors(device):
-    """Each image comes back as it is or exactly mirrored, mirrored about half the time."""
-    n, gen = 2000, torch.Generator().manual_seed(0)
-    src = torch.randint(0, 256, (n, 3, 6, 6), dtype=torch.uint8, generator=gen)  # never symmetric
-    mirrored = []
-    for x, y in _pipeline(src, data.Batched(6, False, True, 0.0, 1.0), device, batch_size=500):
-        x, plain = x.cpu(), src[y.cpu()].float() / 255  # (B, 3, 6, 6)
-        # CUDA divides by 255 as a product with its reciprocal: a rounding apart, far below the
-        # 1/255 by which a pixel of an image and of its mirror differ
-        same, flipped = (((x - v).abs() < 1e-6).flatten(1).all(1) for v in (plain, plain.flip(-1)))
-        assert (same ^ flipped).all()
-        mirrored.append(flipped)
-    # Binomial(2000, 1/2): standard deviation 0.011, five of them allowed
-    assert abs(float(torch.cat(mirrored).double().mean()) - 0.5) < 5 * 0.5 / math.sqrt(n)
-
-
-@pytest.mark.parametrize('device', DEVICES)
-def test_pipeline_draws_depend_on_the_seed_only(device):
-    """Batches come from the seed alone, new each epoch; eval: the set's order, unaugmented."""
     src = np.random.default_rng(0).integers(0, 256, (30, 3, 12, 12), dtype=np.uint8)  # CIFAR's
     train, test = data.Batched(16, True, True, *MEAN_STD), data.Batched(16, False, False, *MEAN_STD)
     make = lambda seed, spec=train: _pipeline(src, spec, device, 8, spec is train, seed)
@@ -484,11 +326,56 @@ def test_pipeline_draws_depend_on_the_seed_only(device):
     x, y = epoch(make(5, test))
     assert y.tolist() == list(range(30)) and same([x], epoch(make(6, test)))
 
+def _ks(a, b):  # two-sample Kolmogorov-Smirnov statistic: largest gap of the CDFs
+    a, b = a.double().sort().values, b.double().sort().values
+    cdf = lambda s: torch.searchsorted(s, torch.cat([a, b]), right=True) / len(s)
+    return float((cdf(a) - cdf(b)).abs().max())
+
+# on 4 x 40 px most draws fall back to torchvision's centre box of ratio 4/3: (0, 17, 4, 5)
+@pytest.mark.parametrize('height, width, fallback', [(32, 32, None), (4, 40, [0, 17, 4, 5])])
+def test_crop_boxes_follow_torchvisions_distribution(height, width, fallback):
+    """crop_boxes draws as RandomResizedCrop.get_params: KS-close laws, the fallback as often."""
+    n, m = 20000, 4000
+    ours = data.crop_boxes(torch.Generator().manual_seed(1), n, height, width)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        img = torch.zeros(1, height, width)
+        theirs = torch.tensor([torchvision.transforms.RandomResizedCrop.get_params(
+            img, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(m)])  # (m, 4) top, left, h, w
+    # KS critical value c sqrt(1/n + 1/m), c = sqrt(ln(2 / alpha) / 2) = 1.95 at alpha = 1e-3
+    bound = 1.95 * math.sqrt(1 / n + 1 / m)
+    laws = lambda b: [*b.double().T, b[:, 2] * b[:, 3], b[:, 3] / b[:, 2]]  # ..., area, aspect
+    for a, b in zip(laws(ours), laws(theirs)):
+        assert _ks(a, b) < bound
+    if fallback:  # its share: a step of the CDFs, within the same bound
+        share = [float((b == torch.tensor(fallback)).all(1).double().mean()) for b in
+                 (ours, theirs)]
+        assert share[1] > 0.5 and abs(share[0] - share[1]) < bound
 
 @pytest.mark.parametrize('device', DEVICES)
-def test_identity_box_gives_the_normalised_image(device):
-    """No crop, at the source's size: (x / 255 - mean) / std, from colour or grey uint8 arrays
-    (N, C, H, W); grey copied to three channels."""
+def test_device_transforms_are_torchvisions_crops_exact_flips_and_the_normalised_image(device):
+    """resized_crops = torchvision's box by box; flips: exact, half the time; (x / 255 - m) / s."""
+    gen = torch.Generator().manual_seed(0)
+    x, boxes = torch.rand(64, 3, 20, 24, generator=gen), data.crop_boxes(gen, 64, 20, 24)
+    boxes[0] = torch.tensor([0, 0, 20, 24])  # the whole image too
+    no_flip = torch.zeros(64, dtype=torch.bool, device=device)
+    for size in (48, 8):  # 8 px: most crops of the 20 x 24 image downsample; bilinear, antialiased
+        out = data.resized_crops(x.to(device), boxes.to(device), size, no_flip).cpu()
+        ref = torch.stack([torchvision.transforms.functional.resized_crop(
+            img, *box.tolist(), [size, size], antialias=True) for img, box in zip(x, boxes)])
+        # float32 round-off on [0, 1] values is ~1e-6 (2e-6 seen); a wrong weight or shift ~1e-2
+        assert float((out - ref).abs().max()) < 1e-5
+    n, gen = 2000, torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (n, 3, 6, 6), dtype=torch.uint8, generator=gen)  # never symmetric
+    mirrored = []
+    for x, y in _pipeline(src, data.Batched(6, False, True, 0.0, 1.0), device, batch_size=500):
+        x, plain = x.cpu(), src[y.cpu()].float() / 255  # (B, 3, 6, 6)
+        # CUDA's x / 255 is x * (1 / 255): a rounding apart, far below a pixel's 1/255 to its mirror
+        same, flipped = (((x - v).abs() < 1e-6).flatten(1).all(1) for v in (plain, plain.flip(-1)))
+        assert (same ^ flipped).all()
+        mirrored.append(flipped)
+    # Binomial(2000, 1/2): standard deviation 0.011, five of them allowed
+    assert abs(float(torch.cat(mirrored).double().mean()) - 0.5) < 5 * 0.5 / math.sqrt(n)
     mean, std = (0.1, 0.4, 0.7), (0.2, 0.5, 2.0)
     spec, rng = data.Batched(9, False, False, mean, std), np.random.default_rng(0)
     m, s = (torch.tensor(v, device=device).view(3, 1, 1) for v in (mean, std))
@@ -498,20 +385,13 @@ def test_identity_box_gives_the_normalised_image(device):
         chw = torch.from_numpy(src).expand(-1, 3, -1, -1).to(device)
         assert torch.equal(x, (chw.float() / 255 - m) / s)  # weights 0 and 1: exact
 
-
-# Data sets from files the tests write
-WNIDS = [f'n{c:08d}' for c in range(200)]
-
-
-def _folders(root, wnids, per_class=1):
-    """root/<wnid>/<i>.png: small images, coloured by class and index."""
+WNIDS = [f'n{c:08d}' for c in range(200)]  # data sets from files the tests write
+def _folders(root, wnids, per_class=1):  # root/<wnid>/<i>.png, coloured by class and index
     for c, w in enumerate(wnids):
         (root / w).mkdir(parents=True)
         for i in range(per_class):
             Image.new('RGB', (8, 6), (c % 256, i * 40, 0)).save(root / w / f'{i}.png')
     return root
-
-
 def _fake_fashion(folder, n_train=40, n_test=20):
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True, exist_ok=True)
@@ -522,11 +402,8 @@ def _fake_fashion(folder, n_train=40, n_test=20):
             idx = gzip.compress(head + x.astype(np.uint8).tobytes())
             (folder / f'{prefix}-{kind}-ubyte.gz').write_bytes(idx)
     return folder
-
-
 def write_cifar100(root, train_hwc, train_y, test_hwc, test_y):
-    """A cifar-100-python folder in torchvision's pickled format, from (N, 32, 32, 3) uint8 arrays;
-    the GPU check of the main job writes its generated CIFAR-100 with this too."""
+    """torchvision's pickled cifar-100-python from (N, 32, 32, 3) uint8 (the GPU check uses it)."""
     folder = Path(root) / 'cifar-100-python'
     folder.mkdir(parents=True, exist_ok=True)
     for name, x, y in (('train', train_hwc, train_y), ('test', test_hwc, test_y)):
@@ -536,17 +413,11 @@ def write_cifar100(root, train_hwc, train_y, test_hwc, test_y):
     names = [f'class{c}' for c in range(100)]
     (folder / 'meta').write_bytes(pickle.dumps({'fine_label_names': names}))
     return folder
-
-
 def _fake_cifar(root):
     rng = np.random.default_rng(0)
     train, test = (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8) for n in (200, 100))
     return write_cifar100(root, train, np.arange(200) % 100, test, np.arange(100)), train, test
-
-
-def _fake_domainnet(root):
-    """The twelve lists (domain i: the classes c = i mod 6), an empty file per listed image; class
-    c's folder is class_<344 - c>: labels come from the lists."""
+def _fake_domainnet(root):  # 12 lists (domain i: classes i mod 6), empty files in class_<344 - c>/
     for i, domain in enumerate(data.DOMAINS):
         for part, n in (('train', 2), ('test', 1)):
             paths = [f'{domain}/class_{344 - c:03d}/{part}_{c}_{k}.jpg' for c in range(i, 345, 6)
@@ -556,11 +427,8 @@ def _fake_domainnet(root):
             for p in paths:
                 (root / p).parent.mkdir(parents=True, exist_ok=True)
                 (root / p).touch()
-
-
 def test_fashion_mnist_files_and_the_batched_pipeline(tmp_path):
-    """Four idx files, gzipped or unpacked; batched test transform: the tensor resize; training:
-    the same or its exact mirror; subsets: as the worker loader gives them."""
+    """idx files, gzipped or not; batched: torchvision's resize (+ flips); subsets as workers'."""
     f = _load('fashion-mnist', _fake_fashion(tmp_path))
     assert (len(f.train), len(f.test), f.num_classes) == (40, 20, 10)
     x, y = f.test[13]
@@ -591,7 +459,6 @@ def test_fashion_mnist_files_and_the_batched_pipeline(tmp_path):
     for (x, y), (u, v) in zip(*loaders):
         assert torch.equal(x, u) and torch.equal(y, v)
 
-
 @pytest.mark.skipif(not (DEBIAN_FASHION / 'train-images-idx3-ubyte.gz').is_file(),
                     reason='no dataset-fashion-mnist')
 def test_fashion_mnist_debian():
@@ -600,19 +467,17 @@ def test_fashion_mnist_debian():
     assert np.bincount(s.train.targets).tolist() == [6000] * 10
     assert s.test[0][0].shape == (3, 224, 224) and s.test[0][1] == 9  # an ankle boot
 
-
 @pytest.mark.parametrize('inside', [False, True])  # --data-dir: its parent, or the folder itself
 def test_cifar100_reads_the_pickled_folder_without_its_md5(tmp_path, inside):
-    """A copy in torchvision's format but not the official one (its MD5 differs) loads, pixel for
-    pixel."""
+    """A copy in torchvision's format, not the official one (its MD5 differs), loads exactly."""
     folder, train, test = _fake_cifar(tmp_path)
     s = _load('cifar100', folder if inside else tmp_path)
     for source, hwc in ((s.train.source, train), (s.test.source, test)):
         assert np.array_equal(source, hwc.transpose(0, 3, 1, 2))  # (N, C, H, W)
     assert s.train.targets == [c % 100 for c in range(200)] and s.num_classes == 100
 
-
-def test_imagenet_r_split(tmp_path):
+def test_imagenet_r_split_tar_and_ready_layout(tmp_path):
+    """80/20 split saved, reused, redrawn alike; missing file, bad tar named; LAE's layout used."""
     _folders(tmp_path / 'imagenet-r', WNIDS, 5)
     (tmp_path / 'imagenet-r' / '.ipynb_checkpoints').mkdir()  # hidden: no class, no image
     Image.new('RGB', (8, 6)).save(tmp_path / 'imagenet-r' / WNIDS[0] / '._0.png')
@@ -640,9 +505,6 @@ def test_imagenet_r_split(tmp_path):
     assert str(split_file) in str(err.value) and 'delete it to split again' in str(err.value)
     split_file.unlink()  # as the message says: split again, from the files that are there
     assert len(_load('imagenet-r', tmp_path).train) == 799
-
-
-def test_imagenet_r_tar_truncated_and_ready_split(tmp_path):
     src, ready = _folders(tmp_path / 'src' / 'imagenet-r', WNIDS, 5), tmp_path / 'ready/imagenet-r'
     with tarfile.open(tmp_path / 'full.tar', 'w') as tar:
         tar.add(src, arcname='imagenet-r')
@@ -664,7 +526,6 @@ def test_imagenet_r_tar_truncated_and_ready_split(tmp_path):
     assert (len(s.train), len(s.test)) == (1000, 1000)
     assert not (ready.parent / 'imagenet-r_split.json').exists()
 
-
 def test_domainnet_lists_and_imagenet100_class_list(tmp_path):
     _fake_domainnet(tmp_path)
     Image.new('RGB', (10, 12)).save(tmp_path / 'real' / 'class_340' / 'test_4_0.jpg')
@@ -684,29 +545,28 @@ def test_domainnet_lists_and_imagenet100_class_list(tmp_path):
     assert wnid(s.test) == wnids[20:] and s.test.targets == list(range(100))
     assert s.test[0][0].shape == (3, 32, 32)
 
-
-FM = 'train-images-idx3-ubyte.gz'
+FM, CP = 'train-images-idx3-ubyte.gz', 'cifar-100-python'
 FAKE = {'fashion-mnist': _fake_fashion, 'cifar100': _fake_cifar, 'domainnet': _fake_domainnet,
         'imagenet100': lambda r: [_folders(r / p, map(str, range(100))) for p in ('train', 'val')],
         'imagenet-r': lambda r: _folders(r / 'imagenet-r', WNIDS[:20], 5)}
+REREAD, FETCH = 'delete it and fetch it again', 'fetch it again'
 # data set, damage to the copy FAKE writes, what the DataError names (a file or folder, the fix)
 DAMAGE = [
     ('fashion-mnist', lambda r: (r / FM).write_bytes(gzip.compress(gzip.decompress(
-        (r / FM).read_bytes())[:-100])), [f'{FM} cannot be read', 'delete it and fetch it again']),
+        (r / FM).read_bytes())[:-100])), [f'{FM} cannot be read', REREAD]),
     ('fashion-mnist', lambda r: (r / FM).write_bytes((r / FM).read_bytes()[:30]),
-     [f'{FM} cannot be read', 'delete it and fetch it again']),  # a truncated gzip stream
+     [f'{FM} cannot be read', REREAD]),  # a truncated gzip stream
     ('fashion-mnist', lambda r: (r / FM).unlink(), [FM, '--data-dir', 'dataset-fashion-mnist']),
-    ('cifar100', lambda r: (r / 'cifar-100-python/train').write_bytes(b'\x80\x04truncated'),
-     ['cifar-100-python/train cannot be read', 'delete it and fetch it again']),
-    ('cifar100', lambda r: (r / 'cifar-100-python/test').unlink(),
-     ['cifar-100-python/test', '--data-dir', CIFAR100_URL]),
-    ('cifar100', lambda r: shutil.rmtree(r / 'cifar-100-python') or (
-        r / 'cifar-100-python.tar.gz').write_bytes(b'half a download'),
-     ['cifar-100-python.tar.gz cannot be read', f'fetch it again from {CIFAR100_URL}']),
+    ('cifar100', lambda r: (r / CP / 'train').write_bytes(b'\x80\x04truncated'),
+     [f'{CP}/train cannot be read', REREAD]),
+    ('cifar100', lambda r: (r / CP / 'test').unlink(), [f'{CP}/test', '--data-dir', CIFAR100_URL]),
+    ('cifar100', lambda r: shutil.rmtree(r / CP) or (r / f'{CP}.tar.gz').write_bytes(
+        b'half a download'),
+     [f'{CP}.tar.gz cannot be read', f'fetch it again from {CIFAR100_URL}']),
     ('domainnet', lambda r: (r / 'clipart_train.txt').write_bytes(b'\xff\xfe c\x00l\x00'),
-     ['clipart_train.txt cannot be read', 'fetch it again']),  # UTF-16
+     ['clipart_train.txt cannot be read', FETCH]),  # UTF-16
     ('domainnet', lambda r: (r / 'sketch_test.txt').write_text('no label here\n'),
-     ['sketch_test.txt cannot be read', 'fetch it again']),
+     ['sketch_test.txt cannot be read', FETCH]),
     ('domainnet', lambda r: (r / 'painting/class_342/train_2_1.jpg').unlink(),
      ['painting/class_342/train_2_1.jpg', 'http://ai.bu.edu/M3SDA/', '--data-dir']),
     ('domainnet', lambda r: (r / 'sketch_test.txt').write_text(''),  # 57 classes without a test
@@ -721,8 +581,6 @@ DAMAGE = [
      for text in (b'{"train": [', b'[]', b'"train"', b'{"train": []}', b'\xff{}', b'{"a": []}',
                   b'{"train": [1], "test": []}', b'{"train": "n00000000/0.png", "test": []}',
                   b'{"train": ["n00000000/0.png"], "test": []}')]
-
-
 @pytest.mark.parametrize('name, damage, words', DAMAGE)
 def test_damaged_data_gives_one_line_naming_the_file_and_the_fix(tmp_path, name, damage, words):
     FAKE[name](tmp_path)
@@ -730,7 +588,6 @@ def test_damaged_data_gives_one_line_naming_the_file_and_the_fix(tmp_path, name,
     with pytest.raises(data.DataError) as err:
         _load(name, tmp_path)
     assert '\n' not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
-
 
 @pytest.mark.parametrize('download', [False, True])  # True: the download fails, offline
 @pytest.mark.parametrize('name', list(FAKE))
@@ -741,15 +598,11 @@ def test_missing_data_names_the_folder_the_source_and_the_flag(tmp_path, name, d
     assert '\n' not in message and f'{name} in {root}' in message  # which, where
     assert f'--data-dir {root}' in message and data._LOADERS[name][1] in message  # what to do
 
-
-# ==================================================================================================
-# janus_min.py, the method: Theorem 3.1, GR, OE, DML, metrics, and our --rectify update
-# ==================================================================================================
+# ====== janus_min.py, the method: Theorem 3.1, GR, OE, DML, metrics, ours (--rectify update) ======
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("d_out", [20, 12])  # square, so that a projection on the wrong side runs
 def test_safe_gradient_is_the_constrained_optimum(device, d_out):
-    """G (I - M M^T) is feasible (dW X_past = 0), equals the Lagrangian closed form, and no
-    feasible point is closer to G."""
+    """G (I - M M^T): feasible (dW X_past = 0), the Lagrangian form, no feasible point closer."""
     g = torch.Generator().manual_seed(0)
     G = torch.randn(d_out, 20, dtype=torch.float64, generator=g).to(device)
     X_past = torch.randn(20, 5, dtype=torch.float64, generator=g).to(device)  # not orthonormal
@@ -759,27 +612,28 @@ def test_safe_gradient_is_the_constrained_optimum(device, d_out):
     assert rel(S, lagrange) < 1e-12
     null = torch.linalg.svd(X_past).U[:, 5:]  # (20, 15): the feasible set is {Y null null^T}
     for _ in range(200):
-        D = torch.randn(d_out, 15, dtype=torch.float64, generator=g).to(device) @ null.T
-        D = D * 0.1 + S
+        D = (torch.randn(d_out, 15, dtype=torch.float64, generator=g).to(device) @ null.T) * 0.1 + S
         assert float((D @ X_past).abs().max()) < 1e-12 and (G - D).norm() >= (G - S).norm() - 1e-12
     assert jm._off_rows(G, X_past[:, :0]) is G  # empty memory: unchanged
 
-
-def _gr_problem(device, d_out=14, d_in=11, r=3, m=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    M = orthonormal(d_in, m, gen=g).to(device)
-    G = torch.randn(d_out, d_in, dtype=torch.float64, generator=g).to(device)
-    A = torch.randn(r, d_in, dtype=torch.float64, generator=g).to(device)
-    B = torch.randn(d_out, r, dtype=torch.float64, generator=g).to(device)
-    return G, M, A, B
-
-
+def _joint_lstsq(Gs, A, B, s):  # Eq. (5) as one system in (dA, dB) by gelsd -> dA, dB, residual
+    (r, d_in), d_out = A.shape, B.shape[0]
+    eye = lambda n: torch.eye(n, dtype=Gs.dtype, device=Gs.device)
+    # row-major vec(P X Q) = (P kron Q^T) vec(X): vec(s B dA) and vec(s dB A) side by side
+    L = s * torch.cat([torch.kron(B, eye(d_in)), torch.kron(eye(d_out), A.T.contiguous())], 1)
+    L, b = L.cpu(), Gs.flatten().cpu()[:, None]
+    x = torch.linalg.lstsq(L, b, driver="gelsd").solution.flatten()
+    residual = (b.flatten() - L @ x).norm()
+    dA, dB = x[:r * d_in].reshape(r, d_in), x[r * d_in:].reshape(d_out, r)
+    return dA.to(Gs.device), dB.to(Gs.device), residual
 @pytest.mark.parametrize("device", DEVICES)
-def test_gr_is_the_tangent_space_projection(device):
-    """s (B dA + dB A) = P_B G + G P_A - P_B G P_A; the violation left is (I - P_B) G_safe P_A M."""
-    G, M, A, B = _gr_problem(device)
-    s = 0.7
-    Gs = jm._off_rows(G, M)
+def test_gr_and_the_least_norm_split_against_the_joint_least_squares(device):
+    """GR = P_B G + G P_A - P_B G P_A, Eq. (5)'s optimum; ours: its least norm; both finite."""
+    g, (d_out, d_in, r) = torch.Generator().manual_seed(0), (14, 11, 3)
+    M = orthonormal(d_in, 4, gen=g).to(device)
+    G, A, B = (torch.randn(*shape, dtype=torch.float64, generator=g).to(device)
+               for shape in ((d_out, d_in), (r, d_in), (d_out, r)))
+    s, Gs = 0.7, jm._off_rows(G, M)
     dA, dB = rectify(Gs, A, B, s, delta=1e-14)
     composite = s * (B @ dA + dB @ A)
     P_B, P_A = B @ torch.linalg.pinv(B), torch.linalg.pinv(A) @ A
@@ -790,34 +644,14 @@ def test_gr_is_the_tangent_space_projection(device):
     A_perp = jm._off_rows(A, M)
     dA, dB = rectify(Gs, A_perp, B, s, delta=1e-14)
     assert float((s * (B @ dA + dB @ A_perp) @ M).norm()) < 1e-10 * float(Gs.norm())
-
-
-def _joint_lstsq(Gs, A, B, s):
-    """Eq. (5) as one linear least-squares system in (dA, dB), solved by LAPACK's gelsd (the
-    solution of least norm) -> (dA, dB, residual norm)."""
-    (r, d_in), d_out = A.shape, B.shape[0]
-    eye = lambda n: torch.eye(n, dtype=Gs.dtype, device=Gs.device)
-    # row-major vec(P X Q) = (P kron Q^T) vec(X): vec(s B dA) and vec(s dB A) side by side
-    L = s * torch.cat([torch.kron(B, eye(d_in)), torch.kron(eye(d_out), A.T.contiguous())], 1)
-    L, b = L.cpu(), Gs.flatten().cpu()[:, None]
-    x = torch.linalg.lstsq(L, b, driver="gelsd").solution.flatten()
-    residual = (b.flatten() - L @ x).norm()
-    dA, dB = x[:r * d_in].reshape(r, d_in), x[r * d_in:].reshape(d_out, r)
-    return dA.to(Gs.device), dB.to(Gs.device), residual
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_gr_attains_the_joint_least_squares_optimum(device):
-    G, M, A, B = _gr_problem(device)
-    Gs = jm._off_rows(G, M)
-    dA, dB = rectify(Gs, A, B, 1.3, delta=1e-14)
-    ours = float((Gs - 1.3 * (B @ dA + dB @ A)).norm().cpu())
-    assert abs(ours - float(_joint_lstsq(Gs, A, B, 1.3)[2])) <= 1e-8 * float(Gs.norm())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_gr_is_finite_for_zero_and_rank_deficient_factors(device):
-    G, M, A, B = _gr_problem(device)
+    hA, hB = rectify(Gs, A, B, 1.3, delta=1e-14)
+    oA, oB, residual = _joint_lstsq(Gs, A, B, 1.3)
+    ours = float((Gs - 1.3 * (B @ hA + hB @ A)).norm().cpu())
+    assert abs(ours - float(residual)) <= 1e-8 * float(Gs.norm())
+    dA, dB = jm.least_norm_split(hA, hB, A, B)  # ours (--rectify update): gelsd's least norm
+    assert rel(dA, oA) < 1e-8 and rel(dB, oB) < 1e-8
+    assert rel(B @ dA + dB @ A, B @ hA + hB @ A) < 1e-12  # the composite is untouched
+    assert dA.norm() ** 2 + dB.norm() ** 2 < hA.norm() ** 2 + hB.norm() ** 2
     one = torch.tensor([1.0, 0.0, 0.0], dtype=B.dtype, device=device)
     for A_, B_ in [(A, torch.zeros_like(B)), (A, B * one), (torch.zeros_like(A), B),
                    (A[[0, 0, 1]], B)]:
@@ -827,12 +661,19 @@ def test_gr_is_finite_for_zero_and_rank_deficient_factors(device):
     dA, dB = rectify(G, A, torch.zeros_like(B), 1.0)
     assert float(dA.abs().max()) == 0.0  # B = 0: no information about dA, so no step on A
     assert rel(dB @ A, G @ torch.linalg.pinv(A) @ A) < 1e-3  # dB alone does G's share on row(A)
-
+    for A_, B_ in [(A, torch.zeros_like(B)), (torch.zeros_like(A), torch.zeros_like(B)),
+                   (A[[0, 0, 1]], B[:, [0, 0, 2]])]:
+        for dtype in (torch.float64, torch.float32):
+            A_, B_, hA_, hB_ = (t.to(dtype) for t in (A_, B_, hA, hB))
+            a, b = jm.least_norm_split(hA_, hB_, A_, B_)
+            composite = B_ @ hA_ + hB_ @ A_
+            assert torch.isfinite(a).all() and torch.isfinite(b).all()
+            bound = 1e-5 * (1 + float(composite.abs().max()))
+            assert float((B_ @ a + b @ A_ - composite).abs().max()) <= bound
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_autocast_keeps_the_method_in_float32(device):
-    """Under bf16 autocast the backbone computes in bf16, but the safe gradient, GR and OE stay in
-    float32: A's gradient stays orthogonal to M to float32 round-off."""
+    """bf16 autocast: the safe gradient, GR and OE stay float32; A's gradient stays off M."""
     torch.manual_seed(0)
     model = vit.vit_tiny_patch16(img_size=32, patch_size=8).to(device)
     M = orthonormal(192, 40, dtype=torch.float32, device=device)
@@ -853,23 +694,15 @@ def test_bf16_autocast_keeps_the_method_in_float32(device):
     sub.update(kv_inputs[3].detach().flatten(0, 1), M)
     assert sub.basis.dtype == torch.float32 and float((M.T @ sub.basis).abs().max()) < 1e-5
 
-
 def _planted(d, k, gap, seed):
     g = torch.Generator().manual_seed(seed)
     Q = orthonormal(d, d, dtype=torch.float32, gen=g)
-    sd = torch.cat([torch.full((k,), math.sqrt(gap)), torch.ones(d - k)])
-    return Q, sd, g
-
-
+    return Q, torch.cat([torch.full((k,), math.sqrt(gap)), torch.ones(d - k)]), g
 def _sin_largest_angle(U, V):
     return float((1 - torch.linalg.svdvals(U.T @ V).min() ** 2).clamp_min(0).sqrt())
-
-
 @pytest.mark.parametrize("device", DEVICES)
-def test_gram_systems_stay_positive_definite_where_float32_would_not(device):
-    """Inputs of rank one: in float32 a Gram matrix's zero eigenvalues come out +-round-off, below
-    OE's ridge, and Cholesky failed (NaN in a fp32 ViT-B run on CUDA). Formed in float64, they
-    stay above it; an OE step on such inputs stays finite and orthonormal."""
+def test_oe_stays_positive_definite_and_orthonormal_and_converges(device):
+    """Rank-one inputs: float64 Grams above the ridge (fp32 gave NaN); Eqs. (8)-(10) converge."""
     g = torch.Generator().manual_seed(0)
     for k, ridge in ((64, 1e-6), (10, 1e-8)):  # OE's ridge at rank k; GR's at a small --delta
         x = 1e3 * torch.randn(8, 4096, 1, generator=g) @ torch.randn(8, 1, k, generator=g)
@@ -880,11 +713,6 @@ def test_gram_systems_stay_positive_definite_where_float32_would_not(device):
     oe.update(x.to(device))
     eye = torch.eye(64, device=device)
     assert torch.isfinite(oe.basis).all() and torch.allclose(oe.basis.mT @ oe.basis, eye, atol=1e-5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_oe_converges_to_the_planted_subspace(device):
-    """Eqs. (8)-(10) on batches from a planted spectrum: V stays orthonormal and converges."""
     d, k, n = 64, 8, 64
     Q, sd, g = _planted(d, k, gap=10.0, seed=1)
     torch.manual_seed(0)
@@ -898,10 +726,8 @@ def test_oe_converges_to_the_planted_subspace(device):
     print("OE sin(largest principal angle) vs updates:", trace)
     assert trace[2000] <= 0.05 and trace[2000] < trace[10]
 
-
 def test_oe_captures_a_vit_tasks_activations_within_an_epoch():
-    """One epoch of OE (6 updates) on a random ViT-Ti's K/V inputs captures >= 99% of the energy of
-    the best rank-k subspace of all the task's activations (the oracle)."""
+    """An epoch of OE on ViT-Ti K/V inputs captures >= 99% of the best rank-k subspace's energy."""
     torch.manual_seed(0)
     model = vit.vit_tiny_patch16(img_size=32, patch_size=8).eval()
     task = data.subset(data.load_dataset('synthetic', None, 32, 0.0, 1.0).train, [0, 1, 2, 3])
@@ -915,12 +741,11 @@ def test_oe_captures_a_vit_tasks_activations_within_an_epoch():
                 sub.update(X.flatten(0, 1))
             captured[step] = [float((X @ sub.basis).pow(2).sum() / b)
                               for sub, X, b in zip(subs, X_all, best)]
-    print("OE energy captured / optimal, worst block, after each update:",
-          [round(min(c), 4) for c in captured.values()])
+    print("OE captured / best energy, worst block:", [round(min(c), 4) for c in captured.values()])
     assert len(captured) == 6 and min(captured[6]) >= 0.99
 
-
-def test_oe_is_scale_free_and_merges_into_an_orthonormal_memory():
+def test_oe_is_scale_free_merges_into_an_orthonormal_memory_and_repairs_a_leak():
+    """OE is scale-free; merge keeps M orthonormal up to the width; update, merge repair a leak."""
     d, k = 32, 4
     Q, sd, g = _planted(d, k, gap=8.0, seed=2)
     batches = [(torch.randn(40, d, generator=g) * sd) @ Q.T for _ in range(30)]
@@ -947,14 +772,8 @@ def test_oe_is_scale_free_and_merges_into_an_orthonormal_memory():
     layer = vit.LoRALinear(d, 8, 2, 1.0)
     layer.reset_lora_(M)
     assert float(layer.A.detach().abs().max()) == 0.0  # an exact zero, not round-off
-
-
-def test_oe_update_and_merge_repair_a_planted_leak():
-    """update re-projects V off M; merge re-orthonormalises [M, V]: planted a basis that leaks
-    into span(M) and is not orthonormal, M^T V = 0 after update and M^T M = I after merge."""
     torch.manual_seed(6)
-    sub = jm.OnlineSubspace(16, 3)
-    M = orthonormal(16, 4, dtype=torch.float32)
+    sub, M = jm.OnlineSubspace(16, 3), orthonormal(16, 4, dtype=torch.float32)
     leak = M[:, :3] * 0.5 + 0.1 * torch.randn(16, 3)  # in span(M) largely, not unit
     sub.basis = leak
     sub.update(torch.randn(50, 16), M)
@@ -963,10 +782,8 @@ def test_oe_update_and_merge_repair_a_planted_leak():
     M = sub.merge(M)
     assert float((M.T @ M - torch.eye(7)).abs().max()) < 1e-5
 
-
-def test_dml_terms():
-    """Eq. (11): cross-entropy of cosine / tau to the batch's class prototypes, plus the mean hinge
-    max(0, s - m) over batch x old prototypes."""
+def test_dml_terms_direction_and_prototypes():
+    """Eq. (11): CE to the batch's prototypes + mean hinge to old ones; its step; unit means."""
     torch.manual_seed(0)
     z, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
     zn = F.normalize(z, dim=1)
@@ -982,9 +799,6 @@ def test_dml_terms():
     assert abs(float(jm.dml_loss(z, y, old, 0.0, 0.07)) - float(expected + hinge)) < 1e-5
     one = jm.dml_loss(z[:4], torch.zeros(4, dtype=torch.long), torch.zeros(0, 8))
     assert torch.isfinite(one) and abs(float(one)) < 1e-6  # one class: the intra term is 0
-
-
-def test_dml_pushes_a_violating_feature_away_from_an_old_prototype():
     p = F.normalize(torch.tensor([[1.0, 0.2, 0.0]]), dim=1)
     z = torch.tensor([[0.9, 0.3, 0.1], [0.1, 1.0, 0.0]], requires_grad=True)
     before = float(F.normalize(z.detach(), dim=1)[0] @ p[0])
@@ -992,9 +806,6 @@ def test_dml_pushes_a_violating_feature_away_from_an_old_prototype():
     jm.dml_loss(z, torch.tensor([0, 1]), p, margin=0.3).backward()
     with torch.no_grad():
         assert float(F.normalize(z - 0.1 * z.grad, dim=1)[0] @ p[0]) < before
-
-
-def test_class_prototypes_are_unit_normalised_class_means():
     torch.manual_seed(7)
     z, y = torch.randn(30, 6) * 5, torch.arange(30) % 3
     protos = jm.class_prototypes(z, y, [0, 1, 2])
@@ -1003,33 +814,20 @@ def test_class_prototypes_are_unit_normalised_class_means():
     expected = torch.stack([F.normalize(zn[y == c].mean(0), dim=0) for c in range(3)])
     assert torch.allclose(protos, expected, atol=1e-6)
 
-
-def test_metrics_on_a_hand_computed_matrix():
+def _images(x, y):  # an in-memory data set as data.subset and the loaders take it
+    ds = torch.utils.data.TensorDataset(x, torch.as_tensor(y))
+    ds.targets = list(map(int, y))
+    return ds
+class Identity(torch.nn.Module):  # a backbone: its feature is the image; its K/V input given
+    kv = None
+    def encode(self, x, memory=None):
+        return x.flatten(1), [self.kv if self.kv is not None else x.flatten(2).mT]
+def test_metrics_and_evaluate_on_hand_built_cases():
+    """ACC, MAA, BWT; evaluate: task 2's head dominates: task 1 0% agnostic, 100% aware."""
     out = jm.metrics([[90.0, None, None], [80.0, 70.0, None], [60.0, 65.0, 50.0]])
     assert out["ACC"] == pytest.approx((60 + 65 + 50) / 3)
     assert out["MAA"] == pytest.approx((90 + (80 + 70) / 2 + (60 + 65 + 50) / 3) / 3)
     assert out["BWT"] == pytest.approx(((60 - 90) + (65 - 70)) / 2)
-
-
-def _images(x, y):
-    """An in-memory data set of images x and labels y, as data.subset and the loaders take it."""
-    ds = torch.utils.data.TensorDataset(x, torch.as_tensor(y))
-    ds.targets = list(map(int, y))
-    return ds
-
-
-class Identity(torch.nn.Module):
-    """A backbone whose feature is the image itself, and whose one K/V input is given."""
-    kv = None
-
-    def encode(self, x, memory=None):
-        return x.flatten(1), [self.kv if self.kv is not None else x.flatten(2).mT]
-
-
-def test_evaluate_tells_task_agnostic_from_task_aware():
-    """Hand-built heads where task 2's head always dominates: task 1's samples are 0% right
-    task-agnostically (the paper's argmax over all heads) and 100% task-aware; the accuracy over
-    samples weighs the tasks by their test sizes."""
     D, tasks = 4, [[0, 1], [2, 3]]
     labels = [0, 1, 2, 3, 2, 3, 2, 3]  # task 1: 2 test samples, task 2: 6
     splits = SimpleNamespace(test=_images(torch.eye(D)[labels].reshape(8, 1, 2, 2), labels))
@@ -1043,53 +841,35 @@ def test_evaluate_tells_task_agnostic_from_task_aware():
     assert agnostic == [0.0, 100.0] and aware == [100.0, 100.0]
     assert samples == 75.0  # 6 of 8 samples, where the mean over tasks is 50
 
-
-def test_violation_is_the_dense_relative_violation():
+def test_violation_and_dml_geometry_on_hand_built_cases():
+    """violation: ||dW M|| / ||dW||; dml_geometry: cos_old, cos_own, the shares, the histogram."""
     torch.manual_seed(4)
-    A, B = torch.randn(4, 24), torch.randn(16, 4)
-    M = torch.linalg.qr(torch.randn(24, 6))[0]
+    A, B, M = torch.randn(4, 24), torch.randn(16, 4), torch.linalg.qr(torch.randn(24, 6))[0]
     dW = 0.5 * B @ A  # formed densely here only
     expected = float((dW @ M).norm() / dW.norm())
     assert expected > 0.1 and abs(jm.violation(A, B, M) - expected) < 1e-5 * expected
     assert jm.violation(A, B, torch.zeros(24, 0)) is None  # undefined: no memory yet
     assert jm.violation(A, torch.zeros(16, 4), M) is None  # undefined: no update
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_least_norm_split_is_the_minimum_norm_least_squares_solution(device):
-    """Ours (--rectify update): the split equals gelsd's minimum-norm solution of Eq. (5), with
-    the same composite as GR's own split; finite at B = 0 and for rank-deficient factors."""
-    G, M, A, B = _gr_problem(device)
-    Gs = jm._off_rows(G, M)
-    hA, hB = rectify(Gs, A, B, 1.3, delta=1e-14)
-    dA, dB = jm.least_norm_split(hA, hB, A, B)
-    oA, oB, _ = _joint_lstsq(Gs, A, B, 1.3)
-    assert rel(dA, oA) < 1e-8 and rel(dB, oB) < 1e-8
-    assert rel(B @ dA + dB @ A, B @ hA + hB @ A) < 1e-12  # the composite is untouched
-    assert dA.norm() ** 2 + dB.norm() ** 2 < hA.norm() ** 2 + hB.norm() ** 2
-    for A_, B_ in [(A, torch.zeros_like(B)), (torch.zeros_like(A), torch.zeros_like(B)),
-                   (A[[0, 0, 1]], B[:, [0, 0, 2]])]:
-        for dtype in (torch.float64, torch.float32):
-            A_, B_, hA_, hB_ = (t.to(dtype) for t in (A_, B_, hA, hB))
-            a, b = jm.least_norm_split(hA_, hB_, A_, B_)
-            composite = B_ @ hA_ + hB_ @ A_
-            assert torch.isfinite(a).all() and torch.isfinite(b).all()
-            bound = 1e-5 * (1 + float(composite.abs().max()))
-            assert float((B_ @ a + b @ A_ - composite).abs().max()) <= bound
-
+    cos_old = torch.tensor([0.62, 0.15, 0.93])
+    z = torch.stack([cos_old, torch.zeros(3), (1 - cos_old ** 2).sqrt()], 1) * 3.0  # any norm
+    g = jm.dml_geometry(z, torch.tensor([2, 2, 2]), torch.eye(3), old=2)  # classes 0, 1: old
+    assert g["cos_old"] == pytest.approx([0.62, 0.15, 0.93], abs=1e-4)
+    assert g["cos_own"] == pytest.approx([0.7846, 0.9887, 0.3676], abs=1e-4)
+    assert (g["danger"], g["safe"], g["closer_to_old"]) == pytest.approx((2 / 3, 1 / 3, 1 / 3))
+    expected = [0.0] * 20
+    for c in (0.62, 0.15, 0.93):  # bins of 0.1 over [-1, 1]
+        expected[int((c + 1) / 0.1)] += 1 / 3
+    assert g["hist"] == pytest.approx(expected)
 
 def test_rectify_updates_matches_the_dense_reference():
-    """Ours: rectify_updates_ = least-norm split of GR applied to the projected composite step
-    s (B dA + dB A)(I - M M^T), for an A that is not orthogonal to M."""
+    """Ours: the least-norm GR split of the projected step s (B dA + dB A)(I - M M^T)."""
     torch.manual_seed(8)
     d_in, d_out, r, s = 18, 11, 3, 0.6
-    layer = vit.LoRALinear(d_in, d_out, r, s).double()
-    M = orthonormal(d_in, 5)
+    layer, M = vit.LoRALinear(d_in, d_out, r, s).double(), orthonormal(d_in, 5)
     with torch.no_grad():
         layer.A.normal_()  # not orthogonal to M
         layer.B.normal_()
-    A0, B0 = layer.A.detach().clone(), layer.B.detach().clone()
-    with torch.no_grad():
+        A0, B0 = layer.A.detach().clone(), layer.B.detach().clone()
         layer.A.add_(0.01 * torch.randn_like(A0))  # "Adam's step"
         layer.B.add_(0.01 * torch.randn_like(B0))
     dA, dB = layer.A.detach() - A0, layer.B.detach() - B0
@@ -1098,10 +878,8 @@ def test_rectify_updates_matches_the_dense_reference():
     jm.rectify_updates_([layer], [(A0, B0)], [M], 1e-4)
     assert rel(layer.A.detach() - A0, rA) < 1e-10 and rel(layer.B.detach() - B0, rB) < 1e-10
 
-
 def test_lr_schedule_follows_the_inflora_codebase():
-    """InfLoRA's CosineSchedule as its code steps it: epochs 0 and 1 at lr, then
-    cos(99 pi (e - 1) / (200 (K - 1))); K = 1: one epoch at lr; --schedule cosine: a half cosine."""
+    """InfLoRA's CosineSchedule as its code steps it; K = 1: one epoch; cosine: a half cosine."""
     K = 20
     codebase = [1.0] + [math.cos(99 * math.pi * e / (200 * (K - 1))) for e in range(K - 1)]
     assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(codebase)
@@ -1110,16 +888,12 @@ def test_lr_schedule_follows_the_inflora_codebase():
     half = [1, 0.8536, 0.5, 0.1464]
     assert [jm.lr_factor(e, 4, "cosine") for e in range(4)] == pytest.approx(half, abs=1e-4)
 
-
 def _planted_covariance(eigenvalues, seed):
     g = torch.Generator().manual_seed(seed)
     U = orthonormal(len(eigenvalues), len(eigenvalues), gen=g)
     return U @ torch.diag(torch.tensor(eigenvalues, dtype=torch.float64)) @ U.T, U
-
-
-def test_gpm_adds_the_fewest_directions_that_reach_the_threshold():
-    """GPM on a planted spectrum: the energy (squared eigenvalues of C, as the InfLoRA codebase)
-    captured by the memory reaches the threshold, and one direction fewer would not."""
+def test_gpm_adds_the_fewest_directions_and_inflora_a_is_off_the_memory():
+    """GPM: fewest directions reaching the threshold; InfLoRA's A: orthonormal / sqrt(3), off M."""
     lam = [5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1]
     C, U = _planted_covariance(lam, 0)
     e = torch.tensor(lam, dtype=torch.float64) ** 2
@@ -1138,25 +912,16 @@ def test_gpm_adds_the_fewest_directions_that_reach_the_threshold():
     held = lambda M: float((torch.linalg.svdvals(M.T @ C2) ** 2).sum() /
                            (torch.linalg.svdvals(C2) ** 2).sum())
     assert held(M2) >= 0.95 > held(M2[:, :-1])
-
-
-def test_inflora_a_is_off_the_memory():
-    """InfLoRA's A: orthonormal rows over sqrt(3), off span(M), along (I - M M^T) C's leading
-    left singular vectors."""
-    C, _ = _planted_covariance([5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1], 2)
+    C, _ = _planted_covariance(lam, 2)
     M = orthonormal(8, 2)
     A = jm.inflora_a(C, M, 3)
     assert A.shape == (3, 8) and float((A @ M).abs().max()) < 1e-12
     assert torch.allclose(A @ A.T * 3, torch.eye(3, dtype=torch.float64), atol=1e-12)
 
-
 STEP_VARIANTS = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": {},
                  "janus-update": dict(rectify="update"), "oe-rolling": dict(memory="oe-rolling"),
                  "gpm": dict(memory="gpm"), "fp32": dict(precision="fp32")}
-
-
-def _step_of(change, device, compile=False):
-    """The optimizer and train_step of a variant in the benchmark's mid-run state, a small ViT."""
+def _step_of(change, device, compile=False):  # a variant's mid-run learner, opt, step, x, y
     argv = ["--model", "vit_tiny", "--weights", "none", "--img-size", "32", "--patch-size", "8",
             "--k", "8", "--dataset", "synthetic", "--device", device,
             "--compile", "on" if compile else "off"]
@@ -1165,14 +930,11 @@ def _step_of(change, device, compile=False):
     learner = jm.mid_run_learner(cfg, jm.build_model(cfg), 16, 4)
     images, y = torch.randn(4, 3, 32, 32, device=device), torch.tensor([0, 1, 2, 3], device=device)
     return learner, *jm.make_step(learner, cfg), images, y
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("variant", list(STEP_VARIANTS))
 def test_train_step_never_syncs_with_the_host_on_cuda(variant, compile):
-    """A training step of every variant, compiled (blocks, and the step as a CUDA graph) and not,
-    runs under torch.cuda.set_sync_debug_mode("error")."""
+    """Every variant's step, compiled (blocks, CUDA graph) or not, runs in sync debug 'error'."""
     _, _, step, images, y = _step_of(STEP_VARIANTS[variant], "cuda", compile)
     for _ in range(5):  # warm-up: handles, workspaces, first-call checks; the graph's recording
         step(images, y)
@@ -1184,13 +946,10 @@ def test_train_step_never_syncs_with_the_host_on_cuda(variant, compile):
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", ["janus-grad", "janus-update", "oe-rolling", "plain"])
 def test_the_cuda_graph_replays_what_train_step_does(variant, monkeypatch):
-    """StepGraph (--compile on, CUDA) against train_step itself with the same Adam: through the
-    warm-up, the recording, replays on new inputs, an lr change and a batch of another shape, the
-    factors, OE's basis and step count, and Adam's moments agree."""
+    """StepGraph vs train_step: factors, OE's basis and steps, Adam's moments agree over replays."""
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: None)  # the graph alone
     runs = []
     for graphed in (True, False):
@@ -1204,17 +963,14 @@ def test_the_cuda_graph_replays_what_train_step_does(variant, monkeypatch):
             step(images * (1 + i / 10), y)
         step(images[:3], y[:3])  # another shape: the step as it is
         step(images, y)  # and a replay again
-        state = opt.state.values()
         runs.append([learner.oe.basis, learner.oe.steps, *learner.model.lora_parameters(),
-                     *[s[key] for s in state for key in ("exp_avg", "exp_avg_sq")]])
+                     *[s[key] for s in opt.state.values() for key in ("exp_avg", "exp_avg_sq")]])
     assert int(runs[0][1]) == (10 if variant != "plain" else 0)
     for a, b in zip(*runs):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
-
 def test_compiled_blocks_give_the_same_step(monkeypatch):
-    """--compile (torch.compile of each block) gives the steps of the plain model. Traced here by
-    TorchDynamo with the eager backend: CI can afford it, and tracing is where blocks can fail."""
+    """--compile gives the plain model's steps (TorchDynamo traces; the eager backend runs them)."""
     real = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: real(self, backend="eager"))
     losses = []
@@ -1225,10 +981,8 @@ def test_compiled_blocks_give_the_same_step(monkeypatch):
     assert torch._dynamo.utils.counters["frames"]["ok"] >= 1  # the blocks were traced
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
-
-def test_interference_on_activations_equals_the_dense_computation():
-    """probe, a pass over the seen test images: per layer, ||X dW^T||_F^2 / tokens over the past
-    tasks' test inputs and over the current task's; X: the block's K/V input, dW = s B A."""
+def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_memory():
+    """probe: per layer ||X dW^T||_F^2 / tokens over past and current K/V inputs, dW = s B A."""
     torch.manual_seed(9)
     model = vit.vit_tiny_patch16(depth=2, img_size=32, patch_size=8).eval()
     factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
@@ -1245,15 +999,10 @@ def test_interference_on_activations_equals_the_dense_computation():
             X = kv[j // 2][rows].flatten(0, 1)  # (tokens, D)
             assert float(energy[row, j]) == pytest.approx(float((X @ dW.T).norm() ** 2 /
                                                                 X.shape[0]), rel=1e-4)
-
-
-def test_interference_is_round_off_when_the_update_is_off_a_memory_spanning_the_past():
-    """With --rectify update, dW M = 0; past inputs inside span(M) then see only round-off, and
-    those with a part outside see ||X (I - M M^T) dW^T||, which the memory cannot prevent."""
+    # --rectify update: past inputs in span(M) see round-off, a part outside ||X_out dW^T||
     torch.manual_seed(10)
     d, k = 24, 6
-    M = orthonormal(d, k, dtype=torch.float32)
-    layer = vit.LoRALinear(d, 12, 3, 1.0)
+    M, layer = orthonormal(d, k, dtype=torch.float32), vit.LoRALinear(d, 12, 3, 1.0)
     layer.reset_lora_(M)
     X2 = torch.randn(512, d)
     _fit(layer, X2, X2 @ torch.randn(12, d).T, 100, gr="update", memory=M)
@@ -1269,28 +1018,9 @@ def test_interference_is_round_off_when_the_update_is_off_a_memory_spanning_the_
         past = float(energy[0, 0].sqrt())
         assert past == pytest.approx(expected, abs=1e-5 * float(dW.norm() * X.norm() / 8))
 
-
-def test_dml_geometry_on_a_hand_built_case():
-    """cos_old: the largest similarity to an old class's prototype; cos_own: to its own; the shares
-    above 0.5, below 0.2 and of cos_old > cos_own; the histogram of cos_old."""
-    prototypes = torch.eye(3)  # classes 0 and 1 are old; class 2 is the task's
-    cos_old = torch.tensor([0.62, 0.15, 0.93])
-    z = torch.stack([cos_old, torch.zeros(3), (1 - cos_old ** 2).sqrt()], 1) * 3.0  # any norm
-    g = jm.dml_geometry(z, torch.tensor([2, 2, 2]), prototypes, old=2)
-    assert g["cos_old"] == pytest.approx([0.62, 0.15, 0.93], abs=1e-4)
-    assert g["cos_own"] == pytest.approx([0.7846, 0.9887, 0.3676], abs=1e-4)
-    assert (g["danger"], g["safe"], g["closer_to_old"]) == pytest.approx((2 / 3, 1 / 3, 1 / 3))
-    expected = [0.0] * 20
-    for c in (0.62, 0.15, 0.93):  # bins of 0.1 over [-1, 1]
-        expected[int((c + 1) / 0.1)] += 1 / 3
-    assert g["hist"] == pytest.approx(expected)
-
-
 def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4, memory=None):
-    """Adam on one LoRA layer, projecting with memory; gr in (None, 'grad', 'update'); sub: an
-    OnlineSubspace to update."""
-    opt = torch.optim.Adam([layer.A, layer.B], lr=lr)
-    g = torch.Generator().manual_seed(0)
+    """Adam on one LoRA layer, projecting with memory; gr: None, 'grad', 'update'; sub: an OE."""
+    opt, g = torch.optim.Adam([layer.A, layer.B], lr=lr), torch.Generator().manual_seed(0)
     for _ in range(steps):
         idx = torch.randint(0, X.shape[0], (64,), generator=g)
         if sub is not None:
@@ -1303,19 +1033,15 @@ def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4, memory=None
             jm.rectified_adam_step_(opt, [layer], [memory], delta)
         else:
             opt.step()
-
-
 def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
-    """One LoRA layer, two tasks whose inputs overlap: OE finds task 1's subspace; every variant
-    learns task 2; --rectify update protects it to round-off with factors of one size."""
+    """Two overlapping tasks: all variants learn; --rectify update protects, factors of one size."""
     torch.manual_seed(0)
     d_in, d_out, r, k = 32, 16, 4, 6
     U = orthonormal(d_in, d_in, dtype=torch.float32)
     U1, U2 = U[:, :k], U[:, k:2 * k]
     X1 = torch.randn(2048, k) @ U1.T * 2 + 0.05 * torch.randn(2048, d_in)  # task 1 in span(U1)
     X2 = torch.randn(2048, k) @ U1.T + torch.randn(2048, k) @ U2.T * 2  # task 2 overlaps it
-    W1, W2 = torch.randn(d_out, d_in), torch.randn(d_out, d_in)
-    Y1, Y2 = X1 @ W1.T, X2 @ W2.T
+    Y1, Y2 = X1 @ torch.randn(d_out, d_in).T, X2 @ torch.randn(d_out, d_in).T
     layer, sub = vit.LoRALinear(d_in, d_out, r, 1.0), jm.OnlineSubspace(d_in, k)
     _fit(layer, X1, Y1, 300, sub=sub)
     layer.merge_()
@@ -1350,42 +1076,28 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
     a, b = results["update, GR's split"][3:]
     assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided
 
-
-# ==================================================================================================
-# janus_min.py, the program: one shared end-to-end run, the methods, resume, bad input, the modes
-# ==================================================================================================
+# ===== janus_min.py, the program: a shared end-to-end run, methods, resume, bad input, modes =====
 TINY = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "--img-size", "32",
         "--patch-size", "8", "--tasks", "3", "--epochs", "2", "--batch-size", "8", "--k", "8",
         "--workers", "0", "--lr", "5e-3", "--device", "cpu"]  # the CPU: its numbers are compared
-
-
 def _results(folder):
-    with open(folder / "results.json") as f:
-        return json.load(f)
-
-
+    return json.loads((folder / "results.json").read_text())
 def _without(argv, flag, values=1):
     i = argv.index(flag)
     return argv[:i] + argv[i + 1 + values:]
-
-
+SHORT = _without(_without(TINY, "--tasks"), "--epochs") + ["--tasks", "2", "--epochs", "1"]
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """One run of TINY (three tasks), read by the tests below that only read results. It records
-    the lr of each step, and whether each K/V layer's forward got its block's memory."""
+def tiny_run(tmp_path_factory):  # one TINY run; records each step's lr and K/V forwards' memory
     out = tmp_path_factory.mktemp("tiny") / "run"
     seen = {"forward": [], "lr": [], "in_step": None}
     real_step, real_forward = jm.train_step, vit.LoRALinear.forward
-
     def train_step(learner, opt, *args, **kw):
         seen["lr"].append(float(opt.param_groups[0]["lr"]))
         got = seen["in_step"] = []
-        out = real_step(learner, opt, *args, **kw)
-        seen["in_step"] = None
+        out, seen["in_step"] = real_step(learner, opt, *args, **kw), None
         expected = [M for M in learner.memory for _ in "kv"]  # block i's for its K and V
         seen["forward"].append(len(got) == 24 and all(a is b for a, b in zip(got, expected)))
         return out
-
     def forward(self, x, memory=None):
         if seen["in_step"] is not None:
             seen["in_step"].append(memory)
@@ -1395,54 +1107,40 @@ def tiny_run(tmp_path_factory):
         mp.setattr(vit.LoRALinear, "forward", forward)
         code = jm.main(TINY + ["--out", str(out)])
     return dict(out=out, code=code, res=_results(out), log=log.getvalue(), **seen)
-
-
-def test_end_to_end_results_are_consistent(tiny_run):
+def test_end_to_end_results_lr_memory_and_learning(tiny_run):
+    """Consistent results (fp32 on CPU); the schedule's lr; each block's memory; tasks learned."""
     res = tiny_run["res"]
     assert tiny_run["code"] == 0 and set(res) == {"config", "environment", "runs", "summary"}
     assert res["environment"]["torch"] == torch.__version__ and res["config"]["out"]
     assert res["config"]["precision"] == "fp32"  # what ran: autocast is CUDA's only
-    r = res["runs"][0]
-    A = r["acc_matrix"]
+    r, A = res["runs"][0], res["runs"][0]["acc_matrix"]
     assert all(A[t][i] is None for t in range(3) for i in range(t + 1, 3))
     assert {k: r[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(A))
     assert res["summary"]["ACC"]["mean"] == pytest.approx(r["ACC"])
-    aware = r["task_aware"]  # right whenever the argmax over all seen classes is: never lower
-    assert all(aware["acc_matrix"][t][i] >= A[t][i] for t in range(3) for i in range(t + 1))
+    aware = r["task_aware"]["acc_matrix"]  # right whenever the argmax over all seen classes is
+    assert all(aware[t][i] >= A[t][i] for t in range(3) for i in range(t + 1))
+    assert min(aware[t][t] for t in range(3)) >= 50
     assert [len(v) for v in r["violation"]["k"]] == [12, 12, 12]
     assert all(v is None for v in r["violation"]["k"][0])  # task 1: no memory yet, undefined
     assert all(0 < v < 0.2 for v in r["violation"]["k"][2])  # GR keeps the update off M
     assert r["interference"][0] is None and len(r["interference"][2]["past"]) == 24
     assert 0 <= r["geometry"][2]["danger"] <= 1 and len(r["task_seconds"]) == 3
     assert all(s in tiny_run["log"] for s in ("task 3/3 epoch 2/2", "img/s", "ACC"))
-
-
-def test_each_epoch_runs_at_the_schedules_lr_and_every_layer_projects_with_its_memory(tiny_run):
     steps = len(tiny_run["lr"]) // 6  # 3 tasks x 2 epochs
     assert tiny_run["lr"] == pytest.approx([5e-3 * jm.lr_factor(e, 2, "inflora") for _ in range(3)
                                             for e in range(2) for _ in range(steps)])
     assert len(tiny_run["forward"]) == 6 * steps and all(tiny_run["forward"])
 
-
-def test_the_loop_learns_each_task(tiny_run):
-    """Each task's accuracy right after it is well above chance (4 classes: 25%)."""
-    A = tiny_run["res"]["runs"][0]["task_aware"]["acc_matrix"]
-    assert min(A[t][t] for t in range(3)) >= 50
-
-
 @pytest.mark.parametrize("method", list(jm.METHODS))
 def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
-    """Each preset on two short tasks: valid results; InfLoRA's A stays as designed and off the
-    memory, so its update's violation is round-off; GPM's memory grows; finetune has none."""
+    """Each preset: valid results; InfLoRA's violation is round-off; GPM's memory grows."""
     widths, real_end = [], jm.end_task
-
     def end_task(learner, *args):
         factors = real_end(learner, *args)
         widths.append([M.shape[1] for M in learner.memory])
         return factors
     monkeypatch.setattr(jm, "end_task", end_task)
-    argv = _without(TINY, "--epochs") + ["--epochs", "1", "--method", method]
-    assert jm.main(_without(argv, "--tasks") + ["--tasks", "2", "--out", str(tmp_path)]) == 0
+    assert jm.main(SHORT + ["--method", method, "--out", str(tmp_path)]) == 0
     r = _results(tmp_path)["runs"][0]
     assert {k: r[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(r["acc_matrix"]))
     if method == "inflora":
@@ -1453,13 +1151,9 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
                 "finetune": [[0] * 12] * 2}
     assert widths == expected.get(method, widths)
 
-
 def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeypatch, capsys):
-    """Ctrl-C in task 3 (task 2's checkpoint written), then --resume DIR alone, as the message
-    says, on a machine where CUDA is visible: the run goes on on the CPU it was started on, to the
-    numbers of the uninterrupted shared run (so runs are also deterministic)."""
+    """Ctrl-C in task 3, then --resume DIR alone (CUDA visible): the uninterrupted run's numbers."""
     calls, real_evaluate = [], jm.evaluate
-
     def interrupted(*args):
         calls.append(1)
         if len(calls) == 3:
@@ -1468,8 +1162,7 @@ def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeyp
     monkeypatch.setattr(jm, "evaluate", interrupted)
     assert jm.main(TINY + ["--out", str(tmp_path / "b")]) == 130
     monkeypatch.setattr(jm, "evaluate", real_evaluate)
-    assert f"continue with: python janus_min.py --resume {tmp_path / 'b'}" in \
-        capsys.readouterr().err
+    assert f"continue with: python janus_min.py --resume {tmp_path}/b" in capsys.readouterr().err
     assert not (tmp_path / "b" / "results.json").exists()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -1481,7 +1174,6 @@ def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeyp
     for key in ("acc_matrix", "task_aware", "violation", "interference", "geometry"):
         assert a[key] == b[key]
 
-
 def test_a_run_folder_is_refused_to_a_second_run_and_resumed_with_its_own_flags(tiny_run, capsys):
     out = str(tiny_run["out"])
     for argv, said in ((TINY + ["--out", out], f"holds a run: continue it with --resume {out}"),
@@ -1492,18 +1184,15 @@ def test_a_run_folder_is_refused_to_a_second_run_and_resumed_with_its_own_flags(
     assert jm.main(["--resume", out, "--seeds", "0", "1"]) == 0  # a seed added to a finished run
     assert [r["seed"] for r in _results(tiny_run["out"])["runs"]] == [0, 1]
 
-
 def test_progress_comes_every_30_s_and_a_nan_loss_stops_the_run(tmp_path, monkeypatch, capsys):
     clock = iter(range(0, 10**6, 20))  # 20 s a reading
     monkeypatch.setattr(jm, "time", SimpleNamespace(time=lambda: next(clock),
                                                     strftime=time.strftime))
-    argv = _without(TINY, "--tasks") + ["--tasks", "2", "--epochs", "1"]
-    assert jm.main(argv + ["--out", str(tmp_path / "a")]) == 0
+    assert jm.main(SHORT + ["--out", str(tmp_path / "a")]) == 0
     assert re.search(r"^task 1 epoch 1: \d+/\d+ steps, loss [\d.]+$", capsys.readouterr().out,
                      re.M)
-    assert jm.main(_without(argv, "--lr") + ["--lr", "1e30", "--out", str(tmp_path / "b")]) == 2
+    assert jm.main(_without(SHORT, "--lr") + ["--lr", "1e30", "--out", str(tmp_path / "b")]) == 2
     assert "lower --lr and start a new run" in capsys.readouterr().err
-
 
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory):
@@ -1511,8 +1200,6 @@ def bad_files(tmp_path_factory):
     (d / "junk.pth").write_bytes(b"not a checkpoint")
     (d / "afile").write_text("x")
     return d
-
-
 CKPT = _without(TINY, "--patch-size") + ["--patch-size", "16"]  # the checkpoints are ViT-*/16
 BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files folder
     "lr": (TINY + ["--lr", "-1"], "--lr, --tau, --lora-scale, --delta, --oe-lr must be positive"),
@@ -1531,15 +1218,11 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "dry": (TINY + ["--dry-run"], "--dry-run goes with --reproduce NAME"),
     "resume": (["--resume", "{tmp}/nothing"], "nothing/config.json is missing; start one"),
     "junk": (CKPT + ["--weights", "{tmp}/junk.pth"], "junk.pth"),
-    "both": (_without(CKPT, "--tasks") + ["--dataset", "cifar100", "--data-dir", "{tmp}", "--weights", "in21k"],
-             "cifar-100-python"),
-    "out": (TINY + ["--out", "{tmp}/afile/run"], "afile"),
-}
-
-
+    "both": (_without(CKPT, "--tasks") + ["--dataset", "cifar100", "--data-dir", "{tmp}",
+                                          "--weights", "in21k"], "cifar-100-python"),
+    "out": (TINY + ["--out", "{tmp}/afile/run"], "afile")}
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_gets_one_clear_line_and_leaves_the_folder_alone(case, bad_files, tmp_path,
-                                                                   capsys):
+def test_bad_input_gets_one_clear_line_and_leaves_the_folder_alone(case, bad_files, capsys):
     argv, said = BAD_INPUTS[case]
     argv = [a.replace("{tmp}", str(bad_files)) for a in argv]
     before = sorted(p.name for p in bad_files.iterdir())
@@ -1550,22 +1233,23 @@ def test_bad_input_gets_one_clear_line_and_leaves_the_folder_alone(case, bad_fil
     if case == "both":  # the data and the weights missing, said in one line
         assert "--weights none" in err and "hub" in err
 
-
-def test_a_flag_the_switches_make_meaningless_is_noted_as_ignored(capsys):
-    for argv, moot in ((["--no-oe", "--k", "8"], "--k"), (["--method", "finetune", "--k", "8",
-                                                           "--margin", "0.1"], "--k --margin"),
-                       (["--no-gr", "--delta", "1e-3"], "--delta"), (["--precision", "bf16"],
-                                                                      "--precision")):
+def test_help_lists_every_flag_and_a_meaningless_one_is_noted_as_ignored(capsys):
+    with pytest.raises(SystemExit):
+        jm.main(["--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(jm.Config):
+        assert (f"--no-{f.name}" if f.type is bool and f.default else jm._flag(f.name)) in out
+    for argv, moot in ((["--no-oe", "--k", "8"], "--k"), (["--precision", "bf16"], "--precision"),
+                       (["--method", "finetune", "--k", "8", "--margin", "0.1"], "--k --margin"),
+                       (["--no-gr", "--delta", "1e-3"], "--delta")):
         jm.configure(argv + ["--device", "cpu"])
         assert f"note: {moot}: no effect with these settings, ignored" in capsys.readouterr().out
     jm.configure(["--k", "8", "--device", "cpu"])
     assert capsys.readouterr().out == ""
 
-
-@pytest.mark.parametrize("flags, mean_std", [([], (0.0, 1.0)),
-                                             (["--input-range", "half"], vit.MEAN_STD["half"]),
-                                             (["--input-range", "checkpoint", "--weights",
-                                               "dino"], vit.MEAN_STD["imagenet"])])
+@pytest.mark.parametrize("flags, mean_std", [
+    ([], (0.0, 1.0)), (["--input-range", "half"], vit.MEAN_STD["half"]),
+    (["--input-range", "checkpoint", "--weights", "dino"], vit.MEAN_STD["imagenet"])])
 def test_input_range_reaches_the_data(monkeypatch, flags, mean_std):
     got = []
     monkeypatch.setattr(data, "load_dataset", lambda *a, **k: got.append(a[3:5]) or 1 / 0)
@@ -1573,15 +1257,6 @@ def test_input_range_reaches_the_data(monkeypatch, flags, mean_std):
     with pytest.raises(ZeroDivisionError):
         jm.load_data_and_model(jm.configure(CKPT + flags)[0])
     assert got == [tuple(mean_std)]
-
-
-def test_help_lists_every_flag(capsys):
-    with pytest.raises(SystemExit):
-        jm.main(["--help"])
-    out = capsys.readouterr().out
-    for f in dataclasses.fields(jm.Config):
-        assert (f"--no-{f.name}" if f.type is bool and f.default else jm._flag(f.name)) in out
-
 
 def test_plots_stand_on_their_own(tiny_run, tmp_path):
     plt = pytest.importorskip("matplotlib.pyplot")
@@ -1596,25 +1271,20 @@ def test_plots_stand_on_their_own(tiny_run, tmp_path):
     assert all((tiny_run["out"] / f"{name}.png").exists() for name in
                ("trajectory", "violation", "angular"))
 
-
-def test_the_benchmark_times_every_variant(tmp_path, capsys):
+def test_the_benchmark_times_every_variant(tmp_path):
     assert jm.main(TINY + ["--benchmark", "--steps", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "benchmark.json").read_text())["variants"]
     assert set(report) == {"plain", "janus-grad", "janus-update"}
     assert report["plain"]["x_plain"] == 1.0 and all(v["images_per_s"] > 0 for v in report.values())
 
-
 def test_reproduce_runs_resumes_and_tabulates_its_rows(tmp_path, monkeypatch, capsys):
-    """--dry-run prints each row's command as it pastes; a row that stops is resumed by running
-    the same command again, a finished one skipped; table.md holds every finished row."""
-    argv = _without(TINY, "--tasks") + ["--tasks", "2", "--epochs", "1", "--seeds", "0"]
-    argv = argv + ["--reproduce", "gr-plugin", "--out", str(tmp_path / "my out")]
+    """--dry-run pastes; a stopped row resumes, a finished one skipped; table.md has every row."""
+    argv = SHORT + ["--seeds", "0", "--reproduce", "gr-plugin", "--out", str(tmp_path / "my out")]
     assert jm.main(argv + ["--dry-run"]) == 0
     rows = [shlex.split(line.split(": ", 1)[1])[2:] for line in capsys.readouterr().out.splitlines()
             if line.startswith(("lora-gpm:", "lora-gpm-gr:"))]
     assert [jm.configure(row)[0].method for row in rows] == ["lora-gpm", "lora-gpm-gr"]
     calls, real = [], jm.run_seed
-
     def stop_the_second_row(learner, splits, cfg, after_task):
         calls.append(cfg.method)
         if calls == ["lora-gpm", "lora-gpm-gr"]:
