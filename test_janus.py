@@ -164,7 +164,7 @@ def test_lora_lifecycle(small):
         assert (layer.A @ memory).abs().max() <= 1e-5
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lora_forward_gives_the_safe_gradient_of_theorem_1(device):
+def test_lora_forward_gives_the_safe_gradient_of_theorem_3_1(device):
     """Theorem 3.1 via autograd: out, dx of W0 + s B A; dA = s B^T G_safe, dB = s G_safe A^T."""
     torch.manual_seed(3)
     s, M = 0.7, orthonormal(24, 6, device=device)
