@@ -1,5 +1,5 @@
 """Property checks for Janus-LoRA minimal: each asserts an identity, an oracle or a bound that
-breaks when the code is wrong. CPU, random weights, files the tests write (the method on CUDA too).
+breaks when the code is wrong. CPU, random weights, files the tests write; the method on CUDA too.
 """
 import contextlib, copy, dataclasses, functools, gzip, io, json, math, pickle, re, shlex, shutil
 import struct, tarfile, time, urllib.error, urllib.request
@@ -1089,7 +1089,7 @@ SHORT = _without(_without(TINY, "--tasks"), "--epochs") + ["--tasks", "2", "--ep
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):  # one TINY run; records each step's lr and K/V forwards' memory
     out = tmp_path_factory.mktemp("tiny") / "run"
-    seen = {"forward": [], "lr": [], "in_step": None}
+    seen = {"forward": [], "lr": [], "in_step": None, "leak": []}
     real_step, real_forward = jm.train_step, vit.LoRALinear.forward
     def train_step(learner, opt, *args, **kw):
         seen["lr"].append(float(opt.param_groups[0]["lr"]))
@@ -1097,6 +1097,7 @@ def tiny_run(tmp_path_factory):  # one TINY run; records each step's lr and K/V 
         out, seen["in_step"] = real_step(learner, opt, *args, **kw), None
         expected = [M for M in learner.memory for _ in "kv"]  # block i's for its K and V
         seen["forward"].append(len(got) == 24 and all(a is b for a, b in zip(got, expected)))
+        seen["leak"] += [float((M.T @ V).norm()) for M, V in zip(learner.memory, learner.oe.basis)]
         return out
     def forward(self, x, memory=None):
         if seen["in_step"] is not None:
@@ -1130,6 +1131,7 @@ def test_end_to_end_results_lr_memory_and_learning(tiny_run):
     assert tiny_run["lr"] == pytest.approx([5e-3 * jm.lr_factor(e, 2, "inflora") for _ in range(3)
                                             for e in range(2) for _ in range(steps)])
     assert len(tiny_run["forward"]) == 6 * steps and all(tiny_run["forward"])
+    assert max(tiny_run["leak"]) < 1e-5  # OE's V stays off the memory M it is given each step
 
 @pytest.mark.parametrize("method", list(jm.METHODS))
 def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch):
@@ -1189,8 +1191,7 @@ def test_progress_comes_every_30_s_and_a_nan_loss_stops_the_run(tmp_path, monkey
     monkeypatch.setattr(jm, "time", SimpleNamespace(time=lambda: next(clock),
                                                     strftime=time.strftime))
     assert jm.main(SHORT + ["--out", str(tmp_path / "a")]) == 0
-    assert re.search(r"^task 1 epoch 1: \d+/\d+ steps, loss [\d.]+$", capsys.readouterr().out,
-                     re.M)
+    assert re.search(r"^task 1 epoch 1: \d+/\d+ steps, loss [\d.]+$", capsys.readouterr().out, re.M)
     assert jm.main(_without(SHORT, "--lr") + ["--lr", "1e30", "--out", str(tmp_path / "b")]) == 2
     assert "lower --lr and start a new run" in capsys.readouterr().err
 
