@@ -31,10 +31,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.datasets.utils import download_url, extract_archive
 from torchvision.transforms.functional import to_pil_image
 
-
 class DataError(Exception):
     """A data set is missing, incomplete or corrupt, or the task split is impossible."""
-
 
 # Tasks, epochs, batch size, resolution: the paper's and InfLoRA's configs (ImageNet-R runs 5 and 20
 # tasks too); ours: ImageNet-100's 10 epochs (the paper gives none), the small settings for minutes.
@@ -50,7 +48,6 @@ FASHION_FILES = ('train-images-idx3-ubyte.gz', 'train-labels-idx1-ubyte.gz',
                  't10k-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz')
 # train: the training transform; train_eval: the same images, test transform (class prototypes)
 Splits = namedtuple('Splits', 'train train_eval test num_classes')
-
 
 class _Images(Dataset):
     """source[i]: an image file's path, or a uint8 array or tensor (C, H, W), C = 1 (grey) or 3;
@@ -70,7 +67,6 @@ class _Images(Dataset):
         img = Image.open(item) if isinstance(item, str) else to_pil_image(torch.tensor(item))
         return self.transform(img.convert('RGB')), self.targets[i]  # grey copied to 3 channels
 
-
 @contextmanager
 def _reading(what, fix):
     """Any failure to read `what` (missing, incomplete, corrupt) as one DataError: why, and fix."""
@@ -79,7 +75,6 @@ def _reading(what, fix):
     except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, RuntimeError,
             struct.error, pickle.UnpicklingError, tarfile.TarError) as err:
         raise DataError(f'{what} cannot be read ({type(err).__name__}: {err}): {fix}.') from None
-
 
 def _unpack(root, url, name, download):
     """root/name, unpacked whole or not at all from url's archive in root (downloaded if absent)."""
@@ -94,7 +89,6 @@ def _unpack(root, url, name, download):
             (tmp / name).rename(root / name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-
 
 def _cifar100(root, download):
     """The pickled cifar-100-python folder in root, or root itself, read as torchvision reads it
@@ -111,18 +105,15 @@ def _cifar100(root, download):
             parts.append((nchw, list(entry['fine_labels'])))
     return parts
 
-
 def _ls(folder, dirs=False):
     """Sorted names of folder's subfolders (dirs) or image files, hidden ones left out."""
     return sorted(p.name for p in folder.iterdir() if p.name[0] != '.' and
                   (p.is_dir() if dirs else p.name.lower().endswith(IMG_EXTENSIONS)))
 
-
 def _folder(root, wnids):
     """(paths, labels) of root/<wnid>/<image>, labelled by position in wnids."""
     pairs = [(str(root / w / f), y) for y, w in enumerate(wnids) for f in _ls(root / w)]
     return [p for p, _ in pairs], [y for _, y in pairs]
-
 
 def _imagenet_r(root, download):
     """imagenet-r/train/ + test/ as they are (LAE's), else imagenet-r/<wnid>/ split 80/20 per class,
@@ -156,7 +147,6 @@ def _imagenet_r(root, download):
     return [([str(folder / p) for p in split[part]], [label[p.split('/')[0]] for p in split[part]])
             for part in ('train', 'test')]
 
-
 def _domainnet(root, download):
     """The official lists <domain>_<train|test>.txt of lines '<domain>/<class>/<file> <label>'."""
     parts = []
@@ -176,13 +166,11 @@ def _domainnet(root, download):
         raise FileNotFoundError(f'{missing} is listed but missing')
     return parts
 
-
 def _imagenet100(root, download):
     """Our class list: the wnids in imagenet100_classes.txt if there, else train/'s first 100."""
     listed = root / 'imagenet100_classes.txt'
     wnids = listed.read_text().split() if listed.is_file() else _ls(root / 'train', True)[:100]
     return [_folder(root / part, wnids) for part in ('train', 'val')]
-
 
 def _fashion_mnist(root, download):
     """The four idx files in root, gzipped or not (a missing one downloaded if download). idx:
@@ -200,7 +188,6 @@ def _fashion_mnist(root, download):
             arrays.append(np.frombuffer(bytearray(b), np.uint8, offset=4 + 4 * b[3]).reshape(shape))
     return [(arrays[0][:, None], arrays[1].tolist()), (arrays[2][:, None], arrays[3].tolist())]
 
-
 def _synthetic(img_size, seed, per_class=(24, 8)):
     """Per class a smooth random colour pattern; per image a shift of up to one 16 px patch and
     Gaussian noise: classes easy to tell apart, no two images equal."""
@@ -217,7 +204,6 @@ def _synthetic(img_size, seed, per_class=(24, 8)):
         parts.append(((imgs.clamp(0, 1) * 255).round().to(torch.uint8), labels.tolist()))
     return parts
 
-
 # a file-based set's loader, and what to put in --data-dir where it is missing
 _LOADERS = {
     'cifar100': (_cifar100, f'cifar-100-python/ or its archive from {CIFAR100_URL}'),
@@ -226,7 +212,6 @@ _LOADERS = {
     'imagenet100': (_imagenet100, 'ILSVRC-2012 (image-net.org) as train/<wnid>/, val/<wnid>/'),
     'fashion-mnist': (_fashion_mnist, f'the four idx .gz files from {FashionMNIST.mirrors[0]} '
                       "(or Debian's dataset-fashion-mnist: /usr/share/datasets/fashion-mnist)")}
-
 
 def _transforms(name, img_size, mean, std):
     """((train, test) transforms, (train, test) `Batched` specs of an in-memory set, else None)
@@ -245,7 +230,6 @@ def _transforms(name, img_size, mean, std):
     specs = Batched(img_size, name == 'cifar100', True, mean, std), plain  # cropped: CIFAR only
     return tfs, specs if name in ('cifar100', 'fashion-mnist') else (None, None)
 
-
 def _thin(source, targets, limit, seed):
     """The first `limit` images of each class after a seeded shuffle, in the data set's order."""
     rank, count = {}, {}  # rank[i]: image i's place among its class's, in the shuffled order
@@ -254,7 +238,6 @@ def _thin(source, targets, limit, seed):
     kept = [i for i in range(len(targets)) if rank[i] <= limit]
     source = [source[i] for i in kept] if isinstance(source, list) else source[kept]
     return source, [targets[i] for i in kept]
-
 
 def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=None, download=True):
     """Splits of a data set in DATASETS; limit_per_class thins only the training set."""
@@ -280,7 +263,6 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
                   _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),
                   classes)
 
-
 def task_classes(num_classes, tasks):
     """T lists of contiguous class ids in natural order (InfLoRA's protocol)."""
     per = num_classes // max(tasks, 1)
@@ -289,14 +271,12 @@ def task_classes(num_classes, tasks):
                         f'2 or more: pick a divisor of {num_classes} up to {num_classes // 2}.')
     return [list(range(t * per, (t + 1) * per)) for t in range(tasks)]
 
-
 def subset(ds, classes):
     """ds restricted to the given classes, keeping `.targets` (global class ids)."""
     keep = set(classes)
     part = Subset(ds, [i for i, y in enumerate(ds.targets) if y in keep])
     part.targets = [ds.targets[i] for i in part.indices]
     return part
-
 
 class _Seeded(Dataset):
     """ds and its own sampler: each epoch, one generator in the main process draws the order and a
@@ -318,7 +298,6 @@ class _Seeded(Dataset):
             torch.manual_seed(item[1])
             return self.ds[item[0]]
 
-
 def make_loader(ds, batch_size, train, workers, seed, device=None):
     """Batches of ds (shuffled when train) whose order and augmentations come from seed alone, not
     from --workers: an in-memory set's made on device by DeviceLoader (the CPU too, by default:
@@ -331,12 +310,10 @@ def make_loader(ds, batch_size, train, workers, seed, device=None):
                       pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
                       generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
 
-
 # ---- The device-resident pipeline (in-memory sets): uint8 images on the device, each batch
 # indexed, normalised, cropped, flipped and resized there, from draws on the CPU. A spec: a random
 # crop as RandomResizedCrop's (crop), a flip with p = 1/2 (flip), the resize to size x size.
 Batched = namedtuple('Batched', 'size crop flip mean std')
-
 
 def crop_boxes(gen, n, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), attempts=10):
     """(n, 4) int64 boxes (top, left, h, w) from gen, each drawn as torchvision's
@@ -358,7 +335,6 @@ def crop_boxes(gen, n, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), a
     offsets = torch.where(found[:, None], offsets, (room - 1) // 2)
     return torch.cat([offsets, h[:, None], w[:, None]], 1)
 
-
 def _weights(start, length, size, out):
     """(B, out, size): torch's antialiased bilinear resize of each window [start, start + length)
     of `size` pixels to `out` pixels, as rows of weights (a triangle, widened to downsample)."""
@@ -369,7 +345,6 @@ def _weights(start, length, size, out):
     w = w * ((x > start[:, None, None]) & (x < (start + length)[:, None, None]))  # in the window
     return w / w.sum(2, keepdim=True)
 
-
 def resized_crops(x, boxes, size, flips):
     """(B, C, size, size): each x[b] (C, H, W) float cropped to boxes[b] (top, left, h, w),
     resized as torchvision's resized_crop (bilinear, antialias), and mirrored where flips[b]."""
@@ -378,7 +353,6 @@ def resized_crops(x, boxes, size, flips):
     cols = _weights(left, w, x.shape[3], size)  # (B, size, W)
     cols = torch.where(flips[:, None, None], cols.flip(1), cols)  # a flip reverses output columns
     return rows[:, None] @ x @ cols[:, None].transpose(2, 3)
-
 
 class DeviceLoader:
     """len() batches of (images (B, 3, S, S) float32, labels (B,) int64) on device; one CPU

@@ -24,11 +24,9 @@ import torchvision
 import data
 import vit
 
-
 def _opt(default, help, **argparse_kw):
     """A configuration field: its default and its --help line (meaning and source)."""
     return field(default=default, metadata=dict(help=help, **argparse_kw))
-
 
 @dataclass
 class Config:
@@ -89,7 +87,6 @@ class Config:
     row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
     dry_run: bool = _opt(False, "with --reproduce: print the rows' commands", action="store_true")
 
-
 # ==== The paper's method (Sec. 3), one step as "The Integrated Janus-LoRA Update Process" =========
 def train_step(learner, opt, images, y, cfg):
     """One training step: the loss, OE's step, the safe gradient, GR, Adam. The learner (Learner)
@@ -139,7 +136,6 @@ def train_step(learner, opt, images, y, cfg):
         opt.step()
     return loss.detach(), (logits.argmax(1) == y).sum()
 
-
 # ---- The Decoupled Margin Loss, Eq. (11) ---------------------------------------------------------
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     """Eq. (11). z (B, D) features, y (B,) labels of the current task (of num_classes), old
@@ -154,7 +150,6 @@ def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     if old_prototypes.shape[0] == 0:
         return intra
     return intra + F.relu(z @ old_prototypes.T - margin).mean()  # hinge: mean over batch x old
-
 
 # ---- OE: Online Estimation, Eqs. (8)-(10) --------------------------------------------------------
 class OnlineSubspace:
@@ -208,7 +203,6 @@ class OnlineSubspace:
         self.steps.zero_()
         return list(M) if self.blocks else M
 
-
 # ---- GR: Gradient Rectification, Eqs. (5)-(7) ----------------------------------------------------
 def rectify_gradients_(layers, delta):
     """Replace the LoRA pairs' factor gradients by GR's, all layers in one batch."""
@@ -224,7 +218,6 @@ def rectify_gradients_(layers, delta):
         layer.A.grad.copy_(a)
         layer.B.grad.copy_(b)
 
-
 def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
     """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone: G_safe itself is
     never formed. Returns (dA, dB) in BtG's dtype; the r x r systems in float64 (see _gram)."""
@@ -235,18 +228,15 @@ def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
     dB = _spd_solve(_ridge(_gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
     return dA.to(dtype), dB.to(dtype)
 
-
 # ---- Small linear algebra that OE and GR share ---------------------------------------------------
 def _off(V, M):
     """(I - M M^T) V: V's columns without their part in span(M); M None: V itself."""
     return V if M is None else V - M @ (M.mT @ V)
 
-
 def _off_rows(G, M):
     """G (I - M M^T): G's rows without their part in span(M), Theorem 3.1's form for a dense G
     (..., d_out, d_in); training never forms G (vit.LoRALinear.forward)."""
     return G if M.shape[-1] == 0 else G - (G @ M) @ M.mT
-
 
 def _stacked(memory):
     """Memories per block, (D, m_i), as one (L, D, m): zero columns, which change no projection,
@@ -256,26 +246,22 @@ def _stacked(memory):
     m = max(M.shape[1] for M in memory)
     return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memory])
 
-
 def _gram(X):
     """X^T X (..., k, k) of X (..., n, k), in float64: float32's round-off can leave a Gram matrix
     indefinite under its ridge, and Cholesky then fails."""
     X = X.double()
     return X.mT @ X
 
-
 def _ridge(S, delta):
     """S + delta * mean(eig S) * I for Gram matrices S (..., r, r)."""
     lam = delta * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
     return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
-
 
 def _qr_q(V):
     """Eq. (10)'s Q of V = QR (..., n, k) with R's diagonal > 0: R^T is the Cholesky factor of
     V^T V (>= I, as OE's step is orthogonal to V), in float64; far faster than Householder QR."""
     R = torch.linalg.cholesky_ex(_gram(V)).L.mT
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
-
 
 def _spd_solve(S, rhs):
     """S^-1 rhs for symmetric positive definite S (..., n, n): Cholesky and two triangular solves
@@ -284,14 +270,12 @@ def _spd_solve(S, rhs):
     y = torch.linalg.solve_triangular(L, rhs, upper=False)
     return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
-
 # ==== Ours: --rectify update, GR on the step Adam proposes (README) ===============================
 def rectified_adam_step_(opt, layers, memory, delta):
     """Adam proposes a step, which GR then rectifies."""
     before = [(layer.A.detach().clone(), layer.B.detach().clone()) for layer in layers]
     opt.step()
     rectify_updates_(layers, before, [memory[j // 2] for j in range(len(layers))], delta)
-
 
 @torch.no_grad()
 def rectify_updates_(layers, before, memories, delta):
@@ -312,7 +296,6 @@ def rectify_updates_(layers, before, memories, delta):
         layer.A.copy_(a)
         layer.B.copy_(b)
 
-
 def least_norm_split(dA, dB, A, B):
     """Of the steps (dA + C A, dB - B C), which keep the composite B dA + dB A, the one of least
     ||dA||^2 + ||dB||^2: C solves (B^T B) C + C (A A^T) = B^T dB - dA A^T. With A and B of full
@@ -330,7 +313,6 @@ def least_norm_split(dA, dB, A, B):
     C = _spd_solve(K, rhs).reshape(P.shape)
     return (dA + C @ A).to(dtype), (dB - B @ C).to(dtype)
 
-
 # ==== The baselines: GPM's memory (LoRA-GPM) and InfLoRA's A, as the InfLoRA codebase ============
 @torch.no_grad()
 def kv_covariance(model, images, cfg, memory=None):
@@ -341,7 +323,6 @@ def kv_covariance(model, images, cfg, memory=None):
         C = C + torch.stack([x.T @ x for x in X])
         n += X[0].shape[0]
     return C / n
-
 
 def gpm_extend(M, C, threshold):
     """GPM: M (D, m) plus the fewest leading directions of (I - M M^T) C that bring the captured
@@ -354,14 +335,12 @@ def gpm_extend(M, C, threshold):
     r = min(int((before < threshold).sum()), C.shape[0] - M.shape[1])  # never past the width
     return torch.cat([M, U[:, :r].to(M.dtype)], dim=1)
 
-
 def inflora_a(C, M, rank):
     """InfLoRA's A (r, D): the top-r left singular vectors of (I - M M^T) C, over sqrt(3) as in its
     code; it lies off span(M) and stays frozen."""
     C, M64 = C.double(), M.double()  # float64: the trailing vectors' round-off stays off M
     U = _off(torch.linalg.svd(C - M64 @ (M64.T @ C)).U[:, :rank], M64)
     return (U.T / math.sqrt(3)).to(M.dtype)
-
 
 # ==== The task loop (InfLoRA's protocol: a head per task, no exemplars, no task id at test) =======
 @dataclass
@@ -380,7 +359,6 @@ class Learner:
     throughput: list = field(default_factory=list)  # per task: images/s of each epoch
     analyses: dict = field(default_factory=dict)  # the paper's analyses (Part 2 records them)
 
-
 def start_learner(cfg, seed, base_model):
     """A fresh Learner for `seed`: the backbone copied (never changed), fresh LoRA pairs and OE."""
     torch.manual_seed(seed)  # the only generator a run draws from (the loaders seed their own)
@@ -395,7 +373,6 @@ def start_learner(cfg, seed, base_model):
     oe = OnlineSubspace(D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device, blocks=L)
     empty = [torch.zeros(D, 0, device=cfg.device)] * L  # task 1 has nothing to protect
     return Learner(seed, model, oe, empty, torch.nn.ModuleList(), torch.zeros(0, D).to(cfg.device))
-
 
 def start_task(learner, t, tasks, splits, cfg):
     """Task t's start: a fresh head; with --lora-a inflora, InfLoRA designs each block's A from
@@ -414,7 +391,6 @@ def start_task(learner, t, tasks, splits, cfg):
             for i, _, layer in model.lora_layers():
                 layer.A.copy_(A[i])
 
-
 def make_step(learner, cfg):
     """Adam (betas 0.9, 0.999, as InfLoRA) on the trainable LoRA factors and the current head, and
     step(images, y), a train_step with them; on CUDA with --compile on, a StepGraph."""
@@ -424,7 +400,6 @@ def make_step(learner, cfg):
     lr = torch.tensor(cfg.lr, device=cfg.device) if graphed else cfg.lr  # a graph reads a tensor
     opt = torch.optim.Adam(params, lr=lr, capturable=graphed)
     return opt, partial(StepGraph(train_step) if graphed else train_step, learner, opt, cfg=cfg)
-
 
 def train_task(learner, t, tasks, splits, cfg):
     """Task t's training: cfg.epochs epochs of train_step; a line per epoch, and one every 30 s."""
@@ -459,7 +434,6 @@ def train_task(learner, t, tasks, splits, cfg):
         print(f"task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss {mean_loss:.4f}  "
               f"train acc {100.0 * float(correct) / seen:5.2f}%  {speed:7.1f} img/s", flush=True)
 
-
 def lr_factor(epoch, epochs, schedule):
     """The lr of a task's epoch, as a factor of --lr: InfLoRA's CosineSchedule as its code steps
     it, cos(99 pi e / (200 (K - 1))) for e = epoch - 1 after an epoch at 1; or a half cosine."""
@@ -468,7 +442,6 @@ def lr_factor(epoch, epochs, schedule):
     if epoch == 0 or epochs == 1:  # the codebase divides by zero at K = 1; one epoch at lr
         return 1.0
     return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
-
 
 @torch.no_grad()
 def end_task(learner, t, tasks, splits, cfg):
@@ -493,13 +466,11 @@ def end_task(learner, t, tasks, splits, cfg):
         layer.merge_(learner.memory[i])  # ours: W += s B A, then a fresh pair with A off M
     return factors
 
-
 @torch.no_grad()
 def class_prototypes(z, y, classes):
     """(len(classes), D): each class's normalised mean of normalised features (DML's C_past)."""
     z = F.normalize(z, dim=1)
     return torch.stack([F.normalize(z[y == c].mean(0), dim=0) for c in classes])
-
 
 @torch.no_grad()
 def evaluate(model, heads, splits, tasks, cfg):
@@ -518,12 +489,10 @@ def evaluate(model, heads, splits, tasks, cfg):
             for pred in (agnostic, aware)]
     return rows[0], rows[1], 100.0 * float((agnostic == y).float().mean())
 
-
 @torch.no_grad()
 def features(model, images, cfg, memory=None):
     """z (n, D) and labels y (n,) of the images, in order (test transform)."""
     return [torch.cat(t) for t in zip(*[(z, y) for z, _, y in batches(model, images, cfg, memory)])]
-
 
 def batches(model, images, cfg, memory=None):
     """(z, K/V inputs, y) of each batch of the images, in order, under the run's autocast."""
@@ -532,12 +501,10 @@ def batches(model, images, cfg, memory=None):
             z, kv_inputs = model.encode(x.to(cfg.device), memory)
         yield z.float(), kv_inputs, y.to(cfg.device)
 
-
 def autocast(device, cfg):
     """bf16 autocast on CUDA unless --precision fp32 (the InfLoRA codebase's); none on the CPU."""
     use = device.type == "cuda" and cfg.precision == "bf16"
     return torch.autocast(device.type, torch.bfloat16, enabled=use)
-
 
 def run_seed(learner, splits, cfg, after_task):
     """One seed: every task not finished yet, in turn; after_task(learner, t, factors, memory)
@@ -559,7 +526,6 @@ def run_seed(learner, splits, cfg, after_task):
               f"{sum(aware) / len(aware):.2f}  | {learner.task_seconds[-1]:.1f} s", flush=True)
         after_task(learner, t, factors, memory)
     return learner
-
 
 def main(argv=None):
     """python janus_min.py [flags]: every seed's tasks, then results.json and the plots."""
@@ -603,19 +569,19 @@ EXAMPLES = """examples:
   python janus_min.py --resume runs/cifar                                  # after an interruption
   python janus_min.py --reproduce ablation --dataset imagenet-r --dry-run"""
 
-
 class ConfigError(Exception):
     """Flags that cannot run together, or a run folder that cannot be used."""
-
 
 # what main turns into one line: bad input, a diverged loss, a file that cannot be read or written
 USER_ERRORS = (ConfigError, vit.CheckpointError, data.DataError, FloatingPointError, OSError)
 q = shlex.quote  # a path as one shell word: a suggested command pastes as it is
 
+def _require(ok, fix):
+    if not ok:
+        raise ConfigError(fix)
 
 def _flag(name):
     return "--" + name.replace("_", "-")
-
 
 def typed_flags(argv):
     """{field: value} of the flags typed in argv (argparse's own errors for bad ones)."""
@@ -635,12 +601,10 @@ def typed_flags(argv):
         p.add_argument(_flag(f.name), **kw)
     return vars(p.parse_args(argv))
 
-
 def parse_args(argv):
     """The Config of argv, its --method preset's flags put first (the flags typed override them)."""
     typed = typed_flags(argv)
     return Config(**{**typed_flags(METHODS.get(typed.get("method"), [])), **typed})
-
 
 def to_argv(values):
     """The flags that give these Config values."""
@@ -651,7 +615,6 @@ def to_argv(values):
         else:
             argv += [_flag(name), *map(str, value if isinstance(value, (list, tuple)) else [value])]
     return argv
-
 
 def configure(argv=None):
     """The command line's Config, filled in and checked, and the flags that give it; --resume DIR:
@@ -676,17 +639,10 @@ def configure(argv=None):
             "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
             "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml,
             "precision": cfg.device == "cpu"}
-    given = typed_flags(argv)
-    moot = sorted({n for names, off in moot.items() if off for n in names.split() if n in given})
+    moot = {n for names, off in moot.items() if off for n in names.split()} & set(typed_flags(argv))
     if moot:
-        print(f"note: {' '.join(map(_flag, moot))}: no effect with these settings, ignored")
+        print(f"note: {' '.join(map(_flag, sorted(moot)))}: no effect with these settings, ignored")
     return cfg, argv
-
-
-def _require(ok, fix):
-    if not ok:
-        raise ConfigError(fix)
-
 
 def check_config(cfg):
     """Fill in the data set's defaults and the device; refuse impossible values in one line."""
@@ -735,11 +691,10 @@ def check_config(cfg):
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides classes
     return cfg
 
-
 # ---- The run folder: config.json, checkpoint.pt, results.json ------------------------------------
 class Run:
-    """A run's folder (config.json, checkpoint.pt after each task, results.json after each seed),
-    its data and its backbone; a folder that holds another run is refused."""
+    """A run's folder (config.json at its start, checkpoint.pt after each task, results.json after
+    each seed), its data and its backbone; a folder that holds another run is refused."""
 
     def __init__(self, cfg, argv):
         self.cfg, stamp = cfg, time.strftime("%Y%m%d-%H%M%S")
@@ -749,7 +704,7 @@ class Run:
                  "another --out")
         self.splits, self.model = load_data_and_model(cfg)
         path = os.path.join(self.out, "checkpoint.pt")
-        self.saved = (torch.load(path, map_location="cpu", weights_only=True)
+        self.saved = (torch.load(path, map_location=cfg.device, weights_only=True)
                       if os.path.exists(path) else {"runs": [], "current": None})
         os.makedirs(self.out, exist_ok=True)
         write_json(os.path.join(self.out, "config.json"), {"argv": argv, "config": asdict(cfg)})
@@ -763,18 +718,16 @@ class Run:
 
     def restore(self, learner):
         """A seed that an interruption stopped: the learner as after_task saved it."""
-        state, device = dict(self.saved["current"] or {}), self.cfg.device
+        state = dict(self.saved["current"] or {})
         if state.get("seed") != learner.seed:
             return
         learner.model.load_state_dict(state.pop("model"), strict=False)  # K and V, tasks merged in
-        learner.oe.basis, learner.oe.steps = (x.to(device) for x in state.pop("oe"))
+        learner.oe.basis, learner.oe.steps = state.pop("oe")
         for head in state.pop("heads"):
-            learner.heads.append(torch.nn.Linear(*head["weight"].shape[::-1]).to(device))
+            learner.heads.append(torch.nn.Linear(*head["weight"].shape[::-1]).to(self.cfg.device))
             learner.heads[-1].load_state_dict(head)
-        learner.memory = [M.to(device) for M in state.pop("memory")]
-        learner.prototypes = state.pop("prototypes").to(device)
-        torch.set_rng_state(state.pop("rng"))  # last: the heads above drew from it
-        for name, value in state.items():  # the seed, and what was measured
+        torch.set_rng_state(state.pop("rng").cpu())  # last: the heads above drew from it
+        for name, value in state.items():  # the seed, the memory, the prototypes, the measures
             setattr(learner, name, value)
         print(f"seed {learner.seed}: resumed after task {len(learner.acc)}", flush=True)
 
@@ -808,17 +761,14 @@ class Run:
         plot(self.results, self.out)
         print(f"wrote {q(os.path.join(self.out, 'results.json'))}")
 
-
 def read_json(path):
     with open(path) as f:
         return json.load(f)
-
 
 def write_json(path, obj):
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
-
 
 def build_model(cfg):
     """The backbone with its LoRA layers, loaded from cfg.weights, in eval mode for good."""
@@ -827,7 +777,6 @@ def build_model(cfg):
                                    lora_rank=cfg.rank, lora_scale=cfg.lora_scale)
     vit.load_pretrained(model, cfg.weights)
     return model.eval()  # the ViT has no dropout, and training never switches modes
-
 
 def load_data_and_model(cfg):
     """(splits in the input range asked for, backbone); if both are missing, one line says so."""
@@ -844,13 +793,11 @@ def load_data_and_model(cfg):
     _require(not errors, " And: ".join(errors))
     return loaded
 
-
 def environment(cfg):
     """Where results.json's numbers come from."""
     device = (torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda")
               else f"cpu ({torch.get_num_threads()} threads)")
     return {"torch": torch.__version__, "torchvision": torchvision.__version__, "device": device}
-
 
 # ---- Results: results.json and the summary -------------------------------------------------------
 def metrics(acc):
@@ -861,7 +808,6 @@ def metrics(acc):
     bwt = sum(acc[T - 1][i] - acc[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else None
     return {"ACC": sum(acc[T - 1][:T]) / T, "MAA": maa, "BWT": bwt}
 
-
 def results_entry(learner, T):
     """A seed's entry of results.json; rows padded with None to T columns."""
     def padded(rows):
@@ -870,7 +816,6 @@ def results_entry(learner, T):
             "task_aware": {"acc_matrix": padded(learner.aware), **metrics(learner.aware)},
             "sample_acc": learner.sample_acc, "task_seconds": learner.task_seconds,
             **learner.analyses, "throughput": learner.throughput}
-
 
 def summarize(runs):
     """Mean and std over seeds of ACC, MAA, BWT, ACC over samples, and the task-aware three."""
@@ -884,16 +829,13 @@ def summarize(runs):
                          for key in ("ACC", "MAA", "BWT")}
     return out
 
-
 def _fmt(value, spec=".2f"):
     return "-" if value is None else format(value, spec)
-
 
 def _mean(values):
     """The mean of the defined values (None: undefined, left out), or None."""
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
-
 
 def print_summary(results):
     last, s = results["runs"][-1], results["summary"]
@@ -907,12 +849,10 @@ def print_summary(results):
     print("ACC: the mean accuracy on the tasks after the last; MAA: its mean over the run; BWT: "
           "the mean change of a task's accuracy from its end to the run's (< 0: forgetting)")
 
-
 def describe(c):
     """The method's switches in words, from a config dict."""
     return f"{c['method'] or 'custom'}: OE {c['oe']} ({c['memory']}) GR {c['gr']} " \
         f"({c['rectify']}) DML {c['dml']}"
-
 
 # ---- The paper's analyses after each task: the null-space violation against the memory and on
 # real activations (Fig. 2), DML's geometry (Fig. 3 and the appendix's density) --------------------
@@ -940,7 +880,6 @@ def record_analyses(learner, t, factors, memory, splits, cfg):
           f"{_mean(past):.3g}, the current's {_mean(now):.3g}; DML danger share "
           f"{a['geometry'][-1]['danger']:.3f}", flush=True)
 
-
 @torch.no_grad()
 def violation(A, B, M):
     """||dW M||_F / ||dW||_F of a task's update dW = s B A, never forming dW; None where it is
@@ -949,7 +888,6 @@ def violation(A, B, M):
     if M.shape[1] == 0 or den == 0:
         return None
     return float((B @ (A @ M)).norm() / den)
-
 
 @torch.no_grad()
 def probe(model, factors, images, current, cfg):
@@ -969,7 +907,6 @@ def probe(model, factors, images, current, cfg):
         ys.append(y[now])
     return energy / tokens, torch.cat(zs), torch.cat(ys)
 
-
 def dml_geometry(z, y, prototypes, old, bins=20):
     """For one task's test features z (n, D) of classes y: cos_old, the largest cosine to an old
     class's prototype (classes < old), and cos_own, to its own class's (prototypes: one per class,
@@ -984,27 +921,32 @@ def dml_geometry(z, y, prototypes, old, bins=20):
             "cos_old": [round(v, 4) for v in cos_old.tolist()],
             "cos_own": [round(v, 4) for v in cos_own.tolist()]}
 
-
 # ---- Plots (matplotlib, when installed) ----------------------------------------------------------
-def pyplot():
-    """matplotlib's pyplot, drawing into files, or None where matplotlib is not installed."""
+def figure(title, width=11):
+    """A matplotlib figure that lays itself out, or None where matplotlib is not installed."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure  # not pyplot: no window, no global state
     except ImportError:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    fig = Figure(figsize=(width, 4.4), layout="constrained")
+    fig.suptitle(title, fontsize=9)
+    return fig
 
+def save(fig, path):
+    for ax in fig.axes:  # a legend where there is something to name
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
 
 def plot(results, out):
-    """trajectory.png (Fig. 5), violation.png (Fig. 2), angular.png (Fig. 3) of the first seed."""
-    plt = pyplot()
-    if plt is None:
-        return print("matplotlib is not installed: no plots (results.json has the numbers)")
+    """trajectory.png (Fig. 5) of every seed; violation.png (Fig. 2), angular.png (Fig. 3) of the
+    first."""
     c, runs = results["config"], results["runs"]
     title = f"{c['dataset']}, T={c['tasks']}, {describe(c)}"
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig = figure(title, 6.5)
+    if fig is None:
+        return print("matplotlib is not installed: no plots (results.json has the numbers)")
+    ax = fig.subplots()
     for label, matrices in (("task-agnostic (the paper's)", [r["acc_matrix"] for r in runs]),
                             ("task-aware (ours)", [r["task_aware"]["acc_matrix"] for r in runs])):
         curves = torch.tensor([[sum(row[:t + 1]) / (t + 1) for t, row in enumerate(matrix)]
@@ -1014,35 +956,23 @@ def plot(results, out):
         ax.fill_between(x, curves.min(0).values, curves.max(0).values, alpha=0.2,
                         label="its min-max over seeds")
     ax.set(xlabel="task", ylabel="mean accuracy on the seen tasks (%)", xticks=x)
-    save(fig, title, os.path.join(out, "trajectory.png"))
-    plot_violation(plt, runs[0], title, os.path.join(out, "violation.png"))
+    save(fig, os.path.join(out, "trajectory.png"))
+    title += f", seed {runs[0]['seed']}"
+    save(plot_violation(figure(f"{title}: small bars keep the old outputs"), runs[0]),
+         os.path.join(out, "violation.png"))
     if any(runs[0]["geometry"]):
-        plot_angular(plt, runs[0], title, os.path.join(out, "angular.png"))
-    plt.close("all")
+        save(plot_angular(figure(title), runs[0]), os.path.join(out, "angular.png"))
 
-
-def save(fig, title, path, bottom=None):
-    fig.suptitle(title, fontsize=9)
-    for ax in fig.axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    if bottom:
-        fig.subplots_adjust(bottom=bottom)  # a caption's room, below tight_layout's
-    fig.savefig(path, dpi=120)
-
-
-def plot_violation(plt, run, title, path):
+def plot_violation(fig, run):
     """Fig. 2 per block, mean over tasks 2..T: the update's share on the memory, and its effect on
     the past tasks' test inputs beside the current task's own (what an unprotected update does)."""
     inter = [i for i in run["interference"] if i]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     panels = [("Against the memory M", "share of the update on M: ||dW M|| / ||dW||",
                run["violation"], None),
               ("On the past tasks' test inputs", "RMS change of their outputs: ||X dW^T||/sqrt(n)",
                {n: [i["past"][j::2] for i in inter] for j, n in enumerate("kv")},
                {n: [i["current"][j::2] for i in inter] for j, n in enumerate("kv")})]
-    for ax, (name, ylabel, measure, reference) in zip(axes, panels):
+    for ax, (name, ylabel, measure, reference) in zip(fig.subplots(1, 2), panels):
         for j, n in enumerate("kv"):
             means = [_mean(col) for col in zip(*measure[n])]  # per block; task 1's: None
             x = [b + 0.8 + 0.4 * j for b in range(len(means))]
@@ -1052,13 +982,12 @@ def plot_violation(plt, run, title, path):
                 ax.plot(x, [_mean(col) for col in zip(*reference[n])], "k_", ms=9,
                         label=f"{n.upper()} on the current task's inputs (reference)")
         ax.set(xlabel="block", ylabel=ylabel, title=f"{name} (mean over tasks 2..T)")
-    save(fig, f"{title}, seed {run['seed']}: small bars keep the old outputs", path)
+    return fig
 
-
-def plot_angular(plt, run, title, path):
+def plot_angular(fig, run):
     """Fig. 3 and the appendix's density: the last task's test samples, cos_old against cos_own,
     and each task's density of cos_old (DML pushes it below the margin)."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+    left, right = fig.subplots(1, 2)
     tasks = [(t + 1, g) for t, g in enumerate(run["geometry"]) if g]
     t, g = tasks[-1]
     lo, hi = min(g["cos_old"] + g["cos_own"]) - 0.05, max(g["cos_old"] + g["cos_own"]) + 0.05
@@ -1073,9 +1002,9 @@ def plot_angular(plt, run, title, path):
         right.plot([-1 + width * (i + 0.5) for i in range(len(g["hist"]))], g["hist"], "o-",
                    ms=3, label=f"task {t}")
     right.set(xlabel="cos_old", ylabel="share of the task's test samples", title="cos_old per task")
-    fig.text(0.5, 0.01, "prototype: a class's mean unit feature; danger zone (the paper's Fig. 3): "
-             "cos_old > 0.5, a sample close to an old class", ha="center", fontsize=8)
-    save(fig, f"{title}, seed {run['seed']}", path, bottom=0.2)
+    fig.supxlabel("prototype: a class's mean unit feature; danger zone (the paper's Fig. 3): "
+                  "cos_old > 0.5, a sample close to an old class", fontsize=8)
+    return fig
 
 
 # ---- Speed (ours): --compile's CUDA graph, and --benchmark ---------------------------------------
@@ -1089,17 +1018,15 @@ class StepGraph:
         self.step, self.warmup, self.graph = step, warmup, None
 
     def __call__(self, learner, opt, images, y, cfg):
+        if self.graph is None and self.warmup == 0:  # recorded, not run: the replay below runs it
+            self.images, self.y, self.graph = images.clone(), y.clone(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.step(learner, opt, self.images, self.y, cfg)
         if self.graph is not None and images.shape == self.images.shape:
             self.images.copy_(images)
             self.y.copy_(y)
             self.graph.replay()
             return self.out
-        if self.graph is None and self.warmup == 0:  # recorded, not run: the replay runs it
-            self.images, self.y = images.clone(), y.clone()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self.step(learner, opt, self.images, self.y, cfg)
-            return self(learner, opt, images, y, cfg)
         self.warmup -= 1
         side = torch.cuda.Stream()  # warm-up, or another shape: on a side stream, as recording
         side.wait_stream(torch.cuda.current_stream())
@@ -1107,7 +1034,6 @@ class StepGraph:
             out = self.step(learner, opt, images, y, cfg)
         torch.cuda.current_stream().wait_stream(side)
         return out
-
 
 def mid_run_learner(cfg, base, m, classes):
     """A learner as in the middle of a run: a random memory of m columns per block with V and A
@@ -1125,7 +1051,6 @@ def mid_run_learner(cfg, base, m, classes):
     if cfg.oe and cfg.memory == "oe-rolling":  # V itself, as start_task sets it
         learner.memory = list(learner.oe.basis.clone())
     return learner
-
 
 def benchmark(cfg):
     """Plain LoRA, janus-grad and janus-update on one random batch, a step of each in turn, so
@@ -1155,16 +1080,16 @@ def benchmark(cfg):
             step(images, y)
             sync()
             ms[name].append(1e3 * (time.perf_counter() - start))
+    report = {name: dict(ms_per_step=statistics.median(t), peak_mb=peak_mb[name],
+                         images_per_s=1e3 * cfg.batch_size / statistics.median(t),
+                         x_plain=statistics.median(a / p for a, p in zip(t, ms["plain"])))
+              for name, t in ms.items()}
     print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns a block, "
           f"{cfg.device} {cfg.precision}, compile {cfg.compile}, {cfg.steps} rounds:\n"
           "variant        ms/step  images/s  peak MiB  x plain (median)")
-    report = {}
-    for name, t in ms.items():
-        ratio = statistics.median(a / p for a, p in zip(t, ms["plain"]))
-        report[name] = dict(ms_per_step=statistics.median(t), x_plain=ratio, peak_mb=peak_mb[name],
-                            images_per_s=1e3 * cfg.batch_size / statistics.median(t))
-        print(f"{name:14s} {report[name]['ms_per_step']:7.1f} {report[name]['images_per_s']:9.1f} "
-              f"{_fmt(peak_mb[name], '9.0f'):>9s} {ratio:8.3f}")
+    for name, r in report.items():
+        print(f"{name:14s} {r['ms_per_step']:7.1f} {r['images_per_s']:9.1f} "
+              f"{_fmt(r['peak_mb'], '9.0f'):>9s} {r['x_plain']:8.3f}")
     out = cfg.out or os.path.join("runs", f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "benchmark.json"),
@@ -1196,7 +1121,6 @@ REPRODUCE = {
         w: ["--weights", w] for w in ("in21k", "sam", "dino")}),
 }
 
-
 def reproduce(cfg, argv):
     """Each row into OUT/<row>/ with the flags typed and the row's: a finished row is skipped, an
     interrupted one resumed; then table.md of the rows finished and time.png."""
@@ -1219,12 +1143,10 @@ def reproduce(cfg, argv):
             return code
     return 0 if cfg.dry_run else write_table(cfg, out, rows)
 
-
 def row_runs(folder):
     """The finished seeds' runs of a row, from its results.json; none if it has none."""
     path = os.path.join(folder, "results.json")
     return read_json(path)["runs"] if os.path.exists(path) else []
-
 
 def write_table(cfg, out, rows):
     """table.md: each finished row's metrics (mean ± std over seeds), analyses and time."""
@@ -1233,32 +1155,30 @@ def write_table(cfg, out, rows):
              "", "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
              "violation | danger share | s / task |", "|" + "---|" * 11]
     finished = {row: row_runs(os.path.join(out, row)) for row in rows}
-    finished = {row: runs for row, runs in finished.items() if runs}
+    finished = {row: runs for row, runs in finished.items() if runs}  # --row: others may not be
     for row, runs in finished.items():
         s = summarize(runs)
+        violations = [v for r in runs for n in "kv" for task in r["violation"][n] for v in task]
         cells = [f"{_fmt(s[k]['mean'])} ± {_fmt(s[k]['std'])}" for k in
-                 ("ACC", "MAA", "BWT", "sample_ACC")] + [_fmt(s["task_aware"]["ACC"]["mean"])]
-        cells.append(_fmt(_mean([v for r in runs for n in "kv" for task in r["violation"][n]
-                                 for v in task]), ".2e"))
-        cells.append(_fmt(_mean([g["danger"] for r in runs for g in r["geometry"] if g]), ".3f"))
-        cells.append(_fmt(_mean([x for r in runs for x in r["task_seconds"]]), ".1f"))
+                 ("ACC", "MAA", "BWT", "sample_ACC")] + [_fmt(s["task_aware"]["ACC"]["mean"]),
+                 _fmt(_mean(violations), ".2e"),
+                 _fmt(_mean([g["danger"] for r in runs for g in r["geometry"] if g]), ".3f"),
+                 _fmt(_mean([x for r in runs for x in r["task_seconds"]]), ".1f")]
         lines.append(f"| {row} | `{' '.join(rows[row]) or '(none)'}` | {len(runs)} | " +
                      " | ".join(cells) + " |")
-    missing = [row for row in rows if row not in finished]
-    text = "\n".join(lines + ([f"\nNot finished yet: {', '.join(missing)}."] if missing else []))
+    text = "\n".join(lines)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text + "\n")
     print(f"{text}\nwrote {q(os.path.join(out, 'table.md'))}")
     plot_time(finished, out)
     return 0
 
-
 def plot_time(finished, out):
     """time.png (the appendix's efficiency figures): per-task and cumulative time of each row."""
-    plt = pyplot()
-    if plt is None:
+    fig = figure("training time of each row: the method's passes included, tests not")
+    if fig is None:
         return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left, right = fig.subplots(1, 2)
     for row, runs in finished.items():
         seconds = torch.tensor([r["task_seconds"] for r in runs]).mean(0)  # mean over seeds
         x = list(range(1, len(seconds) + 1))
@@ -1266,10 +1186,7 @@ def plot_time(finished, out):
         right.plot(x, seconds.cumsum(0), "o-", label=row)
     left.set(xlabel="task", ylabel="seconds (mean over seeds)", title="time per task", xticks=x)
     right.set(xlabel="task", ylabel="seconds", title="cumulative time", xticks=x)
-    save(fig, "training time of each row: the method's passes included, tests not",
-          os.path.join(out, "time.png"))
-    plt.close(fig)
-
+    save(fig, os.path.join(out, "time.png"))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1260,15 +1260,15 @@ def test_input_range_reaches_the_data(monkeypatch, flags, mean_std):
     assert got == [tuple(mean_std)]
 
 def test_plots_stand_on_their_own(tiny_run, tmp_path):
-    plt = pytest.importorskip("matplotlib.pyplot")
+    pytest.importorskip("matplotlib")
     run = tiny_run["res"]["runs"][0]
-    jm.plot_violation(plt, run, "t", str(tmp_path / "v.png"))
-    left, right = plt.gcf().axes
+    fig = jm.plot_violation(jm.figure("t"), run)
+    jm.save(fig, str(tmp_path / "v.png"))  # the legends
+    left, right = fig.axes
     assert left.get_title() != right.get_title() and "||dW M||" in left.get_ylabel()
     assert "current task's inputs" in " ".join(t.get_text() for t in right.get_legend().texts)
-    jm.plot_angular(plt, run, "t", str(tmp_path / "a.png"))
-    assert any("danger zone" in t.get_text() for t in plt.gcf().texts)
-    plt.close("all")
+    fig = jm.plot_angular(jm.figure("t"), run)
+    assert any("danger zone" in t.get_text() for t in fig.texts)
     assert all((tiny_run["out"] / f"{name}.png").exists() for name in
                ("trajectory", "violation", "angular"))
 

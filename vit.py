@@ -28,10 +28,8 @@ MEAN_STD = {'half': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
             'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 PRETRAINED_INPUT = {'in21k': 'half', 'sam': 'half', 'dino': 'imagenet', 'torchvision': 'imagenet'}
 
-
 class CheckpointError(Exception):
     """A checkpoint is missing, unreadable, or does not fit the model."""
-
 
 class LoRALinear(nn.Linear):
     """Frozen linear layer W0 plus a trainable update scale * B @ A (Eq. (1)); the forward takes the
@@ -78,7 +76,6 @@ class LoRALinear(nn.Linear):
         self.weight += self.scale * (self.B @ self.A).to(self.weight.dtype)
         self.reset_lora_(memory)
 
-
 class Block(nn.Module):
     """Pre-norm attention, LoRA on K and V (not on Q nor the output projection), then the MLP."""
     def __init__(self, dim, num_heads, rank, scale):
@@ -102,7 +99,6 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v)  # (B, heads, N, D/heads)
         x = x + self.attn.proj(y.transpose(1, 2).reshape(b, n, d))
         return x + self.mlp(self.norm2(x)), h
-
 
 class VisionTransformer(nn.Module):
     def __init__(self, img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12,
@@ -140,7 +136,6 @@ class VisionTransformer(nn.Module):
     def lora_parameters(self):
         return [p for _, _, layer in self.lora_layers() for p in (layer.A, layer.B)]
 
-
 # Presets: 12 blocks, 64-wide heads; keywords override (img_size, patch_size, lora_rank, depth...)
 PRESETS = {name: functools.partial(VisionTransformer, embed_dim=width, num_heads=width // 64)
            for name, width in [('vit_base', 768), ('vit_small', 384), ('vit_tiny', 192)]}
@@ -177,7 +172,6 @@ _ST_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 
               'BF16': torch.bfloat16, 'I64': torch.int64}  # buffer (position ids) is read, named
 _ELSE = 'pass another file with --weights PATH.'
 
-
 def load_pretrained(model, source='in21k'):
     """Fill every pretrained tensor of `model` (all but A, B) from `source`, a name in URLS, 'none'
     or a file, strictly (see _fit); print one line of what was loaded; return the file's path."""
@@ -192,7 +186,6 @@ def load_pretrained(model, source='in21k'):
     model.load_state_dict(ready, strict=False)  # not strict: A and B keep theirs
     print(f'[vit] {path}: {container} file, {note}')
     return path
-
 
 def _fit(model, sd, path):
     """({model key: checkpoint tensor in our layout}, a log note), in the key layout that names the
@@ -227,7 +220,6 @@ def _fit(model, sd, path):
     return ready, (f'{layout} key layout, {len(ready)} tensors loaded{resized}, ignored checkpoint '
                    f'keys: {", ".join(ignored) or "none"}')
 
-
 def _resize_pos_embed(pos, grid):
     """(1, 1+g*g, D) -> (1, 1+grid*grid, D), bicubic on the token grid; the class token's kept."""
     g = math.isqrt(pos.shape[1] - 1)
@@ -238,7 +230,6 @@ def _resize_pos_embed(pos, grid):
     tok = F.interpolate(tok, size=(grid, grid), mode='bicubic', antialias=True)
     tok = tok.permute(0, 2, 3, 1).reshape(1, grid * grid, -1).to(pos.dtype)
     return torch.cat([pos[:, :1], tok], 1), f', position embedding resized {g}x{g} -> {grid}x{grid}'
-
 
 def _read(path):
     """{key: tensor} and the container ('npz', 'safetensors', 'torch'), told apart by content."""
@@ -265,7 +256,6 @@ def _read(path):
     # unwrapped from training scripts' {'model': state_dict, ...}; what is no dict fits no layout
     return sd.get('model', sd.get('state_dict', sd)) if isinstance(sd, dict) else {}, 'torch'
 
-
 def _read_safetensors(path):
     """{key: tensor}: a u64 little-endian header size, a JSON header, then the raw tensor bytes."""
     with open(path, 'rb') as f:
@@ -279,7 +269,6 @@ def _read_safetensors(path):
     return {k: torch.frombuffer(buf, dtype=_ST_DTYPES[v['dtype']], count=math.prod(v['shape']),
                                 offset=8 + n + v['data_offsets'][0]).reshape(v['shape'])
             for k, v in header.items()}
-
 
 def _download(model, source):
     """The hub-cache path of a named checkpoint, downloaded (with a progress bar) if not there."""
