@@ -1,9 +1,8 @@
-"""Janus-LoRA (ICML 2026), minimal: class-incremental learning with a frozen ViT and LoRA on K and
-V, made stable by Online Estimation (OE) and Gradient Rectification (GR), plastic by the Decoupled
-Margin Loss (DML). Part 1 reads top-down beside the paper's Sec. 3: the configuration, one training
-step, the pieces it calls, our --rectify update, the baselines, the task loop, `main`. Part 2 is the
-program around it. Equations are numbered as in the paper's LaTeX source. References: C. Chen et
-al., "JANUS-LoRA", ICML 2026; InfLoRA (Liang & Li, CVPR 2024), whose protocol the paper follows."""
+"""Janus-LoRA (C. Chen et al., ICML 2026), minimal: class-incremental learning with a frozen ViT and
+LoRA on K and V, made stable by Online Estimation (OE) and Gradient Rectification (GR), plastic by
+the Decoupled Margin Loss (DML). Part 1 reads top-down beside the paper's Sec. 3, to `main`; Part 2
+is the program around it. Equations as numbered in the paper's LaTeX source; the protocol is
+InfLoRA's (Liang & Li, CVPR 2024)."""
 import argparse
 import copy
 import json
@@ -157,8 +156,7 @@ class OnlineSubspace:
     all blocks at once with blocks=L: V (L, D, k). The memory itself is the learner's."""
 
     def __init__(self, dim, k, lr=1.0, decay_steps=5, device=None, blocks=None):
-        self.dim, self.k = dim, k
-        self.blocks = blocks
+        self.dim, self.k, self.blocks = dim, k, blocks
         self.lr, self.decay_steps = lr, decay_steps
         self.basis = self.fresh_basis(None, device)
         self.steps = torch.zeros((), device=device)  # this task's steps so far: the step decays
@@ -209,8 +207,7 @@ def rectify_gradients_(layers, delta):
     A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
     s = layers[0].scale
-    # autograd left the chain rule of G_safe (Eq. (4)), s B^T G_safe and s G_safe A^T; GR's
-    # Eqs. (6)-(7) take the products without s (and divide by s themselves)
+    # autograd left s B^T G_safe and s G_safe A^T (Eq. (4)); GR's Eqs. (6)-(7) take them without s
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
@@ -219,8 +216,7 @@ def rectify_gradients_(layers, delta):
         layer.B.grad.copy_(b)
 
 def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
-    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone: G_safe itself is
-    never formed. Returns (dA, dB) in BtG's dtype; the r x r systems in float64 (see _gram)."""
+    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone, never G_safe."""
     dtype = BtG.dtype
     BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
     dA = _spd_solve(_ridge(_gram(B), delta), BtG) / scale  # Eq. (6); delta relative (ours)
@@ -234,21 +230,18 @@ def _off(V, M):
     return V if M is None else V - M @ (M.mT @ V)
 
 def _off_rows(G, M):
-    """G (I - M M^T): G's rows without their part in span(M), Theorem 3.1's form for a dense G
-    (..., d_out, d_in); training never forms G (vit.LoRALinear.forward)."""
+    """G (I - M M^T): G's rows off span(M), Theorem 3.1's form for a dense G (..., d_out, d_in)."""
     return G if M.shape[-1] == 0 else G - (G @ M) @ M.mT
 
 def _stacked(memory):
-    """Memories per block, (D, m_i), as one (L, D, m): zero columns, which change no projection,
-    pad the narrower ones (GPM's); a tensor or None as it is."""
+    """Memories per block (D, m_i) as one (L, D, m), zero columns padding GPM's narrower ones."""
     if not isinstance(memory, list):
         return memory
     m = max(M.shape[1] for M in memory)
     return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memory])
 
 def _gram(X):
-    """X^T X (..., k, k) of X (..., n, k), in float64: float32's round-off can leave a Gram matrix
-    indefinite under its ridge, and Cholesky then fails."""
+    """X^T X (..., k, k) of X (..., n, k) in float64: float32's round-off can fail Cholesky."""
     X = X.double()
     return X.mT @ X
 
@@ -264,8 +257,7 @@ def _qr_q(V):
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
 
 def _spd_solve(S, rhs):
-    """S^-1 rhs for symmetric positive definite S (..., n, n): Cholesky and two triangular solves
-    (unlike linalg.solve, nothing is checked on the host, so a GPU never waits)."""
+    """S^-1 rhs for positive definite S (..., n, n) by Cholesky: no check waits on the host."""
     L = torch.linalg.cholesky_ex(S).L
     y = torch.linalg.solve_triangular(L, rhs, upper=False)
     return torch.linalg.solve_triangular(L.mT, y, upper=True)
@@ -336,8 +328,7 @@ def gpm_extend(M, C, threshold):
     return torch.cat([M, U[:, :r].to(M.dtype)], dim=1)
 
 def inflora_a(C, M, rank):
-    """InfLoRA's A (r, D): the top-r left singular vectors of (I - M M^T) C, over sqrt(3) as in its
-    code; it lies off span(M) and stays frozen."""
+    """InfLoRA's A (r, D), off span(M): top-r left singular vectors of (I - M M^T) C, / sqrt(3)."""
     C, M64 = C.double(), M.double()  # float64: the trailing vectors' round-off stays off M
     U = _off(torch.linalg.svd(C - M64 @ (M64.T @ C)).U[:, :rank], M64)
     return (U.T / math.sqrt(3)).to(M.dtype)
@@ -542,7 +533,7 @@ def main(argv=None):
             run.restore(learner)  # a seed interrupted before goes on after its last finished task
             run_seed(learner, run.splits, cfg, run.after_task)
             run.finish(learner)  # its entry in results.json
-        run.report()  # the summary, and the plots
+        run.finish()  # the summary, and the plots
     except USER_ERRORS as e:  # bad input, a diverged loss, a file: one line that says what to do
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -552,15 +543,12 @@ def main(argv=None):
         return 130
     return 0
 
-####################################################################################################
-# PART 2. The program around the method: flags, the run folder, results, the paper's analyses and
-# plots, speed (--compile, --benchmark), --reproduce. Nothing above needs it to be understood.
-####################################################################################################
-METHODS = {"janus": [], "janus-rolling": ["--memory", "oe-rolling"],  # --method NAME: its flags
-           "finetune": ["--no-oe", "--no-gr", "--no-dml"],
-           "lora-gpm": ["--memory", "gpm", "--no-gr", "--no-dml"],
-           "lora-gpm-gr": ["--memory", "gpm", "--no-dml"],
-           "inflora": ["--memory", "gpm", "--lora-a", "inflora", "--no-gr", "--no-dml"]}
+# ==== PART 2. The program around the method: flags, the run folder, results, the analyses, plots,
+# --benchmark, --reproduce. Nothing above needs it to be understood. ==============================
+METHODS = {"janus": "", "janus-rolling": "--memory oe-rolling",  # --method NAME: its flags
+           "finetune": "--no-oe --no-gr --no-dml", "lora-gpm": "--memory gpm --no-gr --no-dml",
+           "lora-gpm-gr": "--memory gpm --no-dml",
+           "inflora": "--memory gpm --lora-a inflora --no-gr --no-dml"}
 GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs; the others 0.95, 1.0
 RESUME_FREE = ("resume", "device", "workers", "compile", "seeds")  # may change on --resume
 EXAMPLES = """examples:
@@ -604,7 +592,7 @@ def typed_flags(argv):
 def parse_args(argv):
     """The Config of argv, its --method preset's flags put first (the flags typed override them)."""
     typed = typed_flags(argv)
-    return Config(**{**typed_flags(METHODS.get(typed.get("method"), [])), **typed})
+    return Config(**{**typed_flags(METHODS.get(typed.get("method"), "").split()), **typed})
 
 def to_argv(values):
     """The flags that give these Config values."""
@@ -617,8 +605,7 @@ def to_argv(values):
     return argv
 
 def configure(argv=None):
-    """The command line's Config, filled in and checked, and the flags that give it; --resume DIR:
-    the flags of the run there, and those typed now that may change."""
+    """The command line's checked Config and its flags (--resume: the run's, then those typed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     typed = typed_flags(argv)
     if "resume" in typed:
@@ -654,8 +641,7 @@ def check_config(cfg):
     cfg.workers = len(os.sched_getaffinity(0)) if cfg.workers is None else cfg.workers  # cores
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.device == "cpu":
-        cfg.precision = "fp32"  # autocast runs on CUDA only: record what runs
+    cfg.precision = "fp32" if cfg.device == "cpu" else cfg.precision  # autocast: CUDA's only
     width, gpus = vit.PRESETS[cfg.model].keywords["embed_dim"], torch.cuda.device_count()
     rows = REPRODUCE.get(cfg.reproduce, ("", {}))[1]
     for ok, fix in [
@@ -734,12 +720,11 @@ class Run:
     def after_task(self, learner, t, factors, memory):
         """After task t: the paper's analyses; checkpoint.pt with the learner and the generator."""
         record_analyses(learner, t, factors, memory, self.splits, self.cfg)
-        state = {f.name: getattr(learner, f.name) for f in fields(Learner)}
-        state["model"] = {n: x for n, x in learner.model.state_dict().items()
-                          if ".attn.k." in n or ".attn.v." in n}  # the rest is the pretrained one's
-        state["oe"] = [learner.oe.basis, learner.oe.steps]
-        state["heads"] = [head.state_dict() for head in learner.heads]
-        self.saved["current"] = {**state, "rng": torch.get_rng_state()}
+        state = self.saved["current"] = {f.name: getattr(learner, f.name) for f in fields(Learner)}
+        state.update(model={n: x for n, x in learner.model.state_dict().items()
+                            if ".attn.k." in n or ".attn.v." in n},  # the rest: pretrained
+                     oe=[learner.oe.basis, learner.oe.steps], rng=torch.get_rng_state(),
+                     heads=[head.state_dict() for head in learner.heads])
         self.save()
 
     def save(self):
@@ -748,18 +733,16 @@ class Run:
         os.replace(path + ".tmp", path)  # atomic: the last complete checkpoint survives anything
 
     def finish(self, learner=None):
-        """A seed's last task done (None: the run's end): its entry in results.json; the summary."""
+        """A seed done: its entry in results.json; None: the run's end, summary printed, plots."""
         if learner:
             self.results["runs"].append(results_entry(learner, self.cfg.tasks))
             self.save()
         self.results["summary"] = summarize(self.results["runs"])
         write_json(os.path.join(self.out, "results.json"), self.results)
-
-    def report(self):
-        self.finish()  # also when a resume found every seed done
-        print_summary(self.results)
-        plot(self.results, self.out)
-        print(f"wrote {q(os.path.join(self.out, 'results.json'))}")
+        if not learner:
+            print_summary(self.results)
+            plot(self.results, self.out)
+            print(f"wrote {q(os.path.join(self.out, 'results.json'))}")
 
 def read_json(path):
     with open(path) as f:
@@ -780,9 +763,8 @@ def build_model(cfg):
 
 def load_data_and_model(cfg):
     """(splits in the input range asked for, backbone); if both are missing, one line says so."""
-    scale = vit.PRETRAINED_INPUT.get(cfg.weights) if cfg.input_range == "checkpoint" else \
-        cfg.input_range
-    mean, std = vit.MEAN_STD.get(scale, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
+    kind = cfg.input_range if cfg.input_range != "checkpoint" else vit.PRETRAINED_INPUT[cfg.weights]
+    mean, std = vit.MEAN_STD.get(kind, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
     loaded, errors = [], []
     for load in (partial(data.load_dataset, cfg.dataset, cfg.data_dir, cfg.img_size, mean, std,
                          limit_per_class=cfg.limit_per_class), partial(build_model, cfg)):
@@ -857,8 +839,7 @@ def describe(c):
 # ---- The paper's analyses after each task: the null-space violation against the memory and on
 # real activations (Fig. 2), DML's geometry (Fig. 3 and the appendix's density) --------------------
 def record_analyses(learner, t, factors, memory, splits, cfg):
-    """Task t's analyses into learner.analyses. factors: each layer's (A, B) of the task, before
-    the merge; memory: what they were to stay off."""
+    """Task t's analyses into learner.analyses; factors: its (A, B) per layer; memory: its M."""
     a = learner.analyses
     if not a:
         a.update(violation={"k": [], "v": []}, interference=[], geometry=[])
@@ -908,9 +889,8 @@ def probe(model, factors, images, current, cfg):
     return energy / tokens, torch.cat(zs), torch.cat(ys)
 
 def dml_geometry(z, y, prototypes, old, bins=20):
-    """For one task's test features z (n, D) of classes y: cos_old, the largest cosine to an old
-    class's prototype (classes < old), and cos_own, to its own class's (prototypes: one per class,
-    in class order); the shares the paper reads, and the histogram of cos_old over [-1, 1]."""
+    """One task's test features z (n, D), classes y: cos_old, the largest cosine to an old class's
+    prototype (< old), cos_own, to its own; the shares the paper reads, cos_old's histogram."""
     z = F.normalize(z.float(), dim=1)
     cos_old = (z @ prototypes[:old].T).amax(1)  # (n,)
     cos_own = (z * prototypes[y]).sum(1)
@@ -939,8 +919,7 @@ def save(fig, path):
     fig.savefig(path, dpi=120)
 
 def plot(results, out):
-    """trajectory.png (Fig. 5) of every seed; violation.png (Fig. 2), angular.png (Fig. 3) of the
-    first."""
+    """trajectory.png (Fig. 5) of all seeds; violation.png (Fig. 2), angular.png (Fig. 3) of one."""
     c, runs = results["config"], results["runs"]
     title = f"{c['dataset']}, T={c['tasks']}, {describe(c)}"
     fig = figure(title, 6.5)
@@ -1006,7 +985,6 @@ def plot_angular(fig, run):
                   "cos_old > 0.5, a sample close to an old class", fontsize=8)
     return fig
 
-
 # ---- Speed (ours): --compile's CUDA graph, and --benchmark ---------------------------------------
 class StepGraph:
     """After `warmup` ordinary steps, train_step recorded as one CUDA graph, replayed for each batch
@@ -1036,8 +1014,7 @@ class StepGraph:
         return out
 
 def mid_run_learner(cfg, base, m, classes):
-    """A learner as in the middle of a run: a random memory of m columns per block with V and A
-    off it, a head of `classes`, and the old prototypes of half the tasks."""
+    """A learner mid-run: a random memory of m columns a block, V and A off it, old prototypes."""
     learner = start_learner(cfg, 0, base)
     L, D = len(base.blocks), base.embed_dim
     if cfg.oe:
@@ -1047,9 +1024,7 @@ def mid_run_learner(cfg, base, m, classes):
             layer.reset_lora_(learner.memory[i])
     learner.prototypes = F.normalize(torch.randn(classes * (cfg.tasks // 2), D), dim=1)
     learner.prototypes = learner.prototypes.to(cfg.device)
-    learner.heads.append(torch.nn.Linear(D, classes).to(cfg.device))
-    if cfg.oe and cfg.memory == "oe-rolling":  # V itself, as start_task sets it
-        learner.memory = list(learner.oe.basis.clone())
+    start_task(learner, 0, [list(range(classes))], None, cfg)  # its head; oe-rolling: M is V
     return learner
 
 def benchmark(cfg):
@@ -1097,28 +1072,25 @@ def benchmark(cfg):
     print(f"wrote {q(os.path.join(out, 'benchmark.json'))}")
     return 0
 
-
 # ---- --reproduce: every row of a table or figure of the paper, one command, resumable ------------
 # NAME: (what it reproduces, {row: its flags}), the sweeps' values as read in the paper (README)
 REPRODUCE = {
-    "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", {
-        "1": ["--no-oe", "--no-gr", "--no-dml"], "2": ["--no-oe", "--no-gr"],
-        "3": ["--no-gr", "--no-dml"], "4": ["--no-oe", "--no-dml"], "5": ["--no-dml"],
-        "6": ["--no-gr"], "7": []}),
-    "methods": ("Tables 2 and 3: the methods we implement", {
-        m: ["--method", m] for m in ("finetune", "lora-gpm", "inflora", "janus")}),
-    "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)", {
-        "gpm": ["--memory", "gpm", "--epochs", "1"], "oe": ["--epochs", "1"]}),
-    "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM", {
-        "lora-gpm": ["--method", "lora-gpm"], "lora-gpm-gr": ["--method", "lora-gpm-gr"]}),
-    "k": ("Fig. 4a: the rank k of the OE basis", {
-        f"k{k}": ["--k", str(k)] for k in (25, 50, 75, 100)}),
-    "margin": ("Fig. 4b: the DML margin m", {
-        f"m{m}": ["--margin", str(m)] for m in (0.1, 0.2, 0.3, 0.4, 0.5)}),
-    "lambda": ("the appendix's figure: the DML weight lambda", {
-        f"l{v}": ["--lambda-dml", str(v)] for v in (0.5, 1.0, 1.5, 2.0)}),
-    "backbones": ("Table 4: Janus-LoRA on other pre-trainings", {
-        w: ["--weights", w] for w in ("in21k", "sam", "dino")}),
+    "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", dict(zip("1234567", [
+        "--no-oe --no-gr --no-dml", "--no-oe --no-gr", "--no-gr --no-dml", "--no-oe --no-dml",
+        "--no-dml", "--no-gr", ""]))),
+    "methods": ("Tables 2 and 3: the methods we implement",
+                {m: f"--method {m}" for m in ("finetune", "lora-gpm", "inflora", "janus")}),
+    "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)",
+                  {"gpm": "--memory gpm --epochs 1", "oe": "--epochs 1"}),
+    "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM",
+                  {m: f"--method {m}" for m in ("lora-gpm", "lora-gpm-gr")}),
+    "k": ("Fig. 4a: the rank k of the OE basis", {f"k{v}": f"--k {v}" for v in (25, 50, 75, 100)}),
+    "margin": ("Fig. 4b: the DML margin m",
+               {f"m{v}": f"--margin {v}" for v in (0.1, 0.2, 0.3, 0.4, 0.5)}),
+    "lambda": ("the appendix's figure: the DML weight lambda",
+               {f"l{v}": f"--lambda-dml {v}" for v in (0.5, 1.0, 1.5, 2.0)}),
+    "backbones": ("Table 4: Janus-LoRA on other pre-trainings",
+                  {w: f"--weights {w}" for w in ("in21k", "sam", "dino")}),
 }
 
 def reproduce(cfg, argv):
@@ -1136,9 +1108,9 @@ def reproduce(cfg, argv):
             print(f"{row}: finished, skipped")
             continue
         started = os.path.exists(os.path.join(folder, "config.json"))
-        row_argv = ["--resume", folder] if started else common + rows[row] + ["--out", folder]
-        print(f"{row}: python janus_min.py {shlex.join(row_argv)}", flush=True)
-        code = 0 if cfg.dry_run else main(row_argv)
+        flags = ["--resume", folder] if started else common + rows[row].split() + ["--out", folder]
+        print(f"{row}: python janus_min.py {shlex.join(flags)}", flush=True)
+        code = 0 if cfg.dry_run else main(flags)
         if code:
             return code
     return 0 if cfg.dry_run else write_table(cfg, out, rows)
@@ -1164,7 +1136,7 @@ def write_table(cfg, out, rows):
                  _fmt(_mean(violations), ".2e"),
                  _fmt(_mean([g["danger"] for r in runs for g in r["geometry"] if g]), ".3f"),
                  _fmt(_mean([x for r in runs for x in r["task_seconds"]]), ".1f")]
-        lines.append(f"| {row} | `{' '.join(rows[row]) or '(none)'}` | {len(runs)} | " +
+        lines.append(f"| {row} | `{rows[row] or '(none)'}` | {len(runs)} | " +
                      " | ".join(cells) + " |")
     text = "\n".join(lines)
     with open(os.path.join(out, "table.md"), "w") as f:
