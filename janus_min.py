@@ -207,7 +207,8 @@ def rectify_gradients_(layers, delta):
     A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
     s = layers[0].scale
-    # autograd left s B^T G_safe and s G_safe A^T (Eq. (4)); GR's Eqs. (6)-(7) take them without s
+    # autograd left Eq. (4)'s chain rule applied to G_safe, s B^T G_safe and s G_safe A^T;
+    # GR's Eqs. (6)-(7) take them without s
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
