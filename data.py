@@ -230,17 +230,24 @@ def _transforms(name, img_size, mean, std):
     specs = Batched(img_size, name == 'cifar100', True, mean, std), plain  # cropped: CIFAR only
     return tfs, specs if name in ('cifar100', 'fashion-mnist') else (None, None)
 
-def _thin(source, targets, limit, seed):
-    """The first `limit` images of each class after a seeded shuffle, in the data set's order."""
+def thin(splits, limit, seed):
+    """splits with at most `limit` training images per class (None: all): the first of each class
+    after a shuffle drawn from seed, in the data set's order. The test set stays whole."""
+    if limit is None:
+        return splits
+    targets = splits.train.targets
     rank, count = {}, {}  # rank[i]: image i's place among its class's, in the shuffled order
     for i in torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed)).tolist():
         rank[i] = count[targets[i]] = count.get(targets[i], 0) + 1
     kept = [i for i in range(len(targets)) if rank[i] <= limit]
+    source = splits.train.source
     source = [source[i] for i in kept] if isinstance(source, list) else source[kept]
-    return source, [targets[i] for i in kept]
+    train, train_eval = (_Images(source, [targets[i] for i in kept], ds.transform, ds.batched)
+                         for ds in (splits.train, splits.train_eval))
+    return splits._replace(train=train, train_eval=train_eval)
 
-def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=None, download=True):
-    """Splits of a data set in DATASETS; limit_per_class thins only the training set."""
+def load_dataset(name, data_dir, img_size, mean, std, seed=0, download=True):
+    """Splits of a data set in DATASETS; seed: the synthetic set's."""
     if name not in DATASETS:
         raise DataError(f'unknown dataset {name!r}: choose one of {", ".join(DATASETS)}.')
     classes = DATASETS[name]['num_classes']
@@ -248,6 +255,9 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
         (train, train_y), (test, test_y) = _synthetic(img_size, seed)
     else:
         root, (loader, source) = Path(data_dir).expanduser().resolve(), _LOADERS[name]
+        if root.exists() and not root.is_dir():
+            raise DataError(f'--data-dir {root} is a file: pass the folder that holds {name}, or '
+                            'is to receive it.')
         fix = f'put {source} there and pass --data-dir {shlex.quote(str(root))}'
         with _reading(f'{name} in {root}', fix):
             (train, train_y), (test, test_y) = loader(root, download)
@@ -256,8 +266,6 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, limit_per_class=No
             if not set(train_y) == set(test_y) == set(range(classes)):
                 raise ValueError(f'{len(set(train_y))} training and {len(set(test_y))} test '
                                  f'classes, not {classes}: incomplete, or another data set')
-    if limit_per_class is not None:
-        train, train_y = _thin(train, train_y, limit_per_class, seed)
     (train_tf, test_tf), (train_b, test_b) = _transforms(name, img_size, mean, std)
     return Splits(_Images(train, train_y, train_tf, train_b),
                   _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),
