@@ -1559,7 +1559,7 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
     argv = _without(SHORT, "--weights") + ["--weights", str(weights), "--out", str(tmp_path / "w")]
     assert jm.main(argv) == 130
     monkeypatch.undo()
-    sd = torch.load(weights)
+    sd = torch.load(weights, weights_only=True)
     torch.save({**sd, "head.weight": torch.zeros(3, 192)}, weights)  # another file of that name
     assert jm.main(["--resume", str(tmp_path / "w")]) == 2
     assert "the run started from the backbone" in capsys.readouterr().err
