@@ -641,7 +641,7 @@ def metrics(acc):
 
 def new_record(seed):
     """What a seed's run measures, task by task: results.json's entry before its metrics."""
-    return {"seed": seed, "acc": [], "aware": [], "sample_acc": [], "task_seconds": [],
+    return {"seed": seed, "acc_matrix": [], "task_aware": [], "sample_acc": [], "task_seconds": [],
             "throughput": [], "violation": {"k": [], "v": []}, "interference": [], "geometry": []}
 
 
@@ -649,7 +649,7 @@ def run_seed(learner, record, splits, cfg, after_task):
     """One seed: every task not finished yet, in turn, measured into `record`; after_task(learner,
     record) is the program's (it saves them)."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
-    for t in range(len(record["acc"]), cfg.tasks):
+    for t in range(len(record["acc_matrix"]), cfg.tasks):
         start = time.time()  # a task's time: training and the method's own passes, not the tests
         start_task(learner, t, tasks, splits, cfg)
         memory = [layer.M.clone() for layer in lora_layers(learner.model)[::2]]  # what it protects
@@ -657,8 +657,8 @@ def run_seed(learner, record, splits, cfg, after_task):
         factors = end_task(learner, t, tasks, splits, cfg)
         record["task_seconds"].append(time.time() - start)
         acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg)
-        record["acc"].append(acc)
-        record["aware"].append(aware)
+        record["acc_matrix"].append(acc)
+        record["task_aware"].append(aware)
         record["sample_acc"].append(sample)
         print(f"task {t + 1} accuracy per task: {' '.join(f'{a:.2f}' for a in acc)}  | mean "
               f"{sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
@@ -753,9 +753,7 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "lora-gpm-gr": ("--memory gpm --no-dml", "LoRA-GPM + GR"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
 SWITCHES = ("oe", "gr", "dml", "rectify", "memory", "lora_a")  # what tells the methods apart
-GPM_THRESHOLDS = {"imagenet-r": (0.98, 1.0)}  # InfLoRA's configs; the others' 0.95, 1.0
 RESUME_FREE = ("device", "workers", "compile", "seeds")  # what a resume may change
-RUN_FREE = RESUME_FREE + ("resume", "out")  # what may differ between two configs of one run
 EXAMPLES = """examples:
   python janus_min.py --dataset synthetic --model vit_tiny --weights none   # a first run
   python janus_min.py --dataset cifar100 --seeds 0 1 2 3 4 --out runs/cifar
@@ -813,43 +811,39 @@ def to_argv(values):
 
 
 def configure(argv):
-    """The checked Config of a command line and the flags it typed; --resume DIR: the run's own
-    configuration, with the flags that may change."""
+    """The checked Config of argv, the data set's defaults and the device filled in, and the flags
+    typed; --resume DIR: the run's own Config, but for the flags that may change."""
     values, typed = parse(argv)
     if "resume" in typed:
-        folder = typed["resume"]
         fixed = " ".join(flag(name) for name in typed if name not in RESUME_FREE + ("resume",))
         if fixed:
             raise ConfigError(f"--resume continues a run with its own flags: drop {fixed} (only "
                               "--device, --workers, --compile and more --seeds may change)")
-        saved = Config(**read_json(os.path.join(folder, "config.json"), "start a run with --out")
-                       ["config"])
-        if not set(typed.get("seeds", saved.seeds)) >= set(saved.seeds):
-            raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, saved.seeds))}"
-                              "; give all of them (and more to add seeds) or none")
-        values = {**asdict(saved), **typed}
-    cfg = resolve(Config(**values))
-    check(cfg)
-    notes(cfg, typed)
-    return cfg, typed
-
-
-def resolve(cfg):
-    """cfg with the data set's defaults and the device filled in."""
+        saved = read_json(os.path.join(typed["resume"], "config.json"),
+                          "start a run with --out")["config"]
+        seeds = saved["seeds"]
+        if not set(typed.get("seeds", seeds)) >= set(seeds):
+            raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, seeds))}; give "
+                              "all of them (and more to add seeds) or none")
+        values = {**saved, **typed}
+    cfg = Config(**values)
     defaults = {key: value for key, value in data.DATASETS[cfg.dataset].items()
                 if key != "num_classes" and getattr(cfg, key) is None}
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return replace(cfg, **defaults, device=device, seeds=list(cfg.seeds),
-                   gpm_threshold=list(cfg.gpm_threshold or GPM_THRESHOLDS.get(cfg.dataset,
-                                                                              (0.95, 1.0))),
-                   workers=os.cpu_count() if cfg.workers is None else cfg.workers,
-                   precision="fp32" if device == "cpu" else cfg.precision)  # autocast: CUDA's
+    gpm = (0.98, 1.0) if cfg.dataset == "imagenet-r" else (0.95, 1.0)  # InfLoRA's configs
+    cfg = replace(cfg, **defaults, device=device, seeds=list(cfg.seeds),
+                  gpm_threshold=list(cfg.gpm_threshold or gpm),
+                  workers=os.cpu_count() if cfg.workers is None else cfg.workers,
+                  precision="fp32" if device == "cpu" else cfg.precision)  # autocast: CUDA's
+    check(cfg, typed)
+    return cfg, typed
 
 
-def check(cfg):
-    """Refuse a value that cannot run, in one line that names its flag and says what to do."""
+def check(cfg, typed):
+    """Refuse a value that cannot run, in one line that names its flag and says what to do; note
+    the flags typed that have no effect with the others, and a memory that will fill."""
     width = vit.PRESETS[cfg.model].keywords["embed_dim"]
     gpus = torch.cuda.device_count()
     device = re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device)
@@ -864,8 +858,8 @@ def check(cfg):
           for name in ("epochs", "batch_size", "img_size", "patch_size", "oe_decay_steps",
                        "steps")],
         ("limit_per_class", (cfg.limit_per_class or 1) >= 1, "must be 1 or more"),
-        ("rank", 1 <= cfg.rank <= width, f"must lie in 1..{width}, the width of {cfg.model}"),
-        ("k", 1 <= cfg.k <= width, f"must lie in 1..{width}, the width of {cfg.model}"),
+        *[(name, 1 <= getattr(cfg, name) <= width, f"must lie in 1..{width}, the width of "
+          f"{cfg.model}") for name in ("rank", "k")],
         ("img_size", cfg.img_size % cfg.patch_size == 0, "must be a multiple of --patch-size"),
         ("gpm_threshold", 0 < first <= last <= 1, "must be two numbers, 0 < first <= last <= 1"),
         ("lora_a", cfg.lora_a == "trained" or not cfg.gr,
@@ -883,17 +877,9 @@ def check(cfg):
         ("method", not (cfg.method and cfg.reproduce), "goes: --reproduce sets its rows' own"),
     ]
     for name, ok, fix in checks:
-        if not ok:
-            value = getattr(cfg, name)
-            if isinstance(value, list):
-                value = " ".join(map(str, value))
-            shown = "" if isinstance(value, bool) else f" {value}"  # --dry-run, not --dry-run True
-            raise ConfigError(f"{flag(name)}{shown}: {fix}")
+        if not ok:  # the flag as typed: --seeds 1 1, --dry-run
+            raise ConfigError(f"{' '.join(to_argv({name: getattr(cfg, name)}))}: {fix}")
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides them
-
-
-def notes(cfg, typed):
-    """A note for flags typed that have no effect with the others, and for a memory that fills."""
     moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,
             "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
             "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml,
@@ -902,7 +888,6 @@ def notes(cfg, typed):
     moot = {name for names, off in moot.items() if off for name in names.split()} & set(typed)
     if moot:
         print(f"note: {' '.join(map(flag, sorted(moot)))}: no effect with these settings, ignored")
-    width = vit.PRESETS[cfg.model].keywords["embed_dim"]
     full = math.ceil(width / cfg.k)  # the tasks after which each block's memory is full
     if cfg.oe and cfg.memory == "oe" and full < cfg.tasks:
         print(f"note: --k {cfg.k} fills each block's memory ({cfg.model}: width {width}) after "
@@ -923,27 +908,23 @@ def run(cfg, typed):
     """A run in its folder: every seed not finished yet, then the summary and the plots."""
     cfg.out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-"
                                                     f"{time.strftime('%Y%m%d-%H%M%S')}")
-    config = os.path.join(cfg.out, "config.json")
     if not cfg.resume:
         claim(cfg.out, {"argv": to_argv(typed), "config": asdict(cfg)})
     try:
         splits, backbone, weights = load_data_and_model(cfg)
     except (data.DataError, vit.CheckpointError):
         if not cfg.resume:  # nothing ran: the same command may claim the folder again
-            os.remove(config)
+            os.remove(os.path.join(cfg.out, "config.json"))
         raise
-    runs, state = [], None
-    if cfg.resume:
-        runs, state = previous(cfg, weights)
-        write_json(config, {**read_json(config, ""), "config": asdict(cfg)})  # more seeds, say
+    runs, state = previous(cfg, weights) if cfg.resume else ([], None)
     results = {"config": asdict(cfg), "environment": environment(cfg), "runs": runs}
     print(f"{cfg.dataset}: {len(splits.train)} training images, {cfg.tasks} tasks; "
           f"{describe(asdict(cfg))}; {cfg.device} {cfg.precision}; out {q(cfg.out)}")
+    save = partial(save_checkpoint, cfg=cfg, weights=weights)
     for seed in [s for s in cfg.seeds if s not in {r["seed"] for r in runs}]:
         learner, record = start_learner(cfg, seed, backbone), new_record(seed)
         if state and state["record"]["seed"] == seed:  # interrupted: after its last finished task
             restore(learner, record, state, cfg.device)
-        save = partial(save_checkpoint, cfg=cfg, weights=weights)
         run_seed(learner, record, data.thin(splits, cfg.limit_per_class, seed), cfg, save)
         runs.append(results_entry(record, cfg.tasks))
         write_json(os.path.join(cfg.out, "results.json"), {**results, "summary": summarize(runs)})
@@ -977,37 +958,29 @@ def claim(out, config):
 def load_data_and_model(cfg):
     """The splits in the input range asked for, the backbone and its weights' path; if both the
     data and the weights are missing, one line says so."""
-    kind = cfg.input_range if cfg.input_range != "checkpoint" else vit.PRETRAINED_INPUT[cfg.weights]
+    kind = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else cfg.input_range
     mean_std = vit.MEAN_STD.get(kind, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
-    loaded, errors = [], []
-    for load in (partial(data.load_dataset, cfg.dataset, cfg.data_dir, cfg.img_size, *mean_std),
-                 partial(build_model, cfg)):
+    try:
+        splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size, *mean_std)
+    except data.DataError as e:
         try:
-            loaded.append(load())
-        except (data.DataError, vit.CheckpointError) as e:
-            errors.append(e)
-    if len(errors) == 1:
-        raise errors[0]
-    if errors:
-        raise data.DataError(" And: ".join(map(str, errors)))
-    (splits, (backbone, weights)) = loaded
-    return splits, backbone, weights
+            build_model(cfg)  # the weights too, so that one line names all that is missing
+        except vit.CheckpointError as also:
+            raise data.DataError(f"{e} And: {also}") from None
+        raise
+    return (splits, *build_model(cfg))
 
 
 def backbone_file(weights):
     """Which backbone a run started from: its file's path and size."""
-    return {"path": weights and os.path.abspath(weights),
-            "bytes": weights and os.path.getsize(weights)}
+    return weights and {"path": os.path.abspath(weights), "bytes": os.path.getsize(weights)}
 
 
 def save_checkpoint(learner, record, cfg, weights):
     """checkpoint.pt after a task: the learner, the seed's record and the generator, with the run's
     configuration and backbone; written to a temporary file, then renamed."""
-    layers = lora_layers(learner.model)
     state = {"config": asdict(cfg), "backbone": backbone_file(weights), "record": record,
-             "W0": [layer.weight.detach() for layer in layers],
-             "A": [layer.A.detach() for layer in layers],
-             "B": [layer.B.detach() for layer in layers],
+             "kv": nn.ModuleList(lora_layers(learner.model)).state_dict(),  # W0, A and B
              "heads": [head.state_dict() for head in learner.heads],
              "V": learner.oe and learner.oe.V, "memory": learner.memory,
              "prototypes": learner.prototypes, "rng": torch.get_rng_state()}
@@ -1016,38 +989,9 @@ def save_checkpoint(learner, record, cfg, weights):
     os.replace(path + ".tmp", path)  # atomic: the last complete checkpoint survives anything
 
 
-def previous(cfg, weights):
-    """A resumed run's finished seeds (results.json), and its checkpoint if it matches the run."""
-    path = os.path.join(cfg.out, "results.json")
-    runs = read_json(path, "delete it to run its seeds again")["runs"] if os.path.exists(
-        path) else []
-    path = os.path.join(cfg.out, "checkpoint.pt")
-    if not os.path.exists(path):
-        return runs, None
-    try:
-        state = torch.load(path, map_location=cfg.device, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- torch's unpickler fails on a damaged file many ways
-        raise ConfigError(f"{path} cannot be read ({type(e).__name__}): delete it to run its seed "
-                          "again from its first task") from None
-    differ = [flag(k) for k, v in asdict(cfg).items()
-              if k not in RUN_FREE and state["config"].get(k) != v]
-    if differ:
-        raise ConfigError(f"{path} belongs to another run (its {' '.join(differ)} differ from "
-                          "config.json's): delete it, or resume the run it belongs to")
-    if state["backbone"] != backbone_file(weights):
-        raise ConfigError(f"{path}: the run started from the backbone {state['backbone']}, not "
-                          f"{backbone_file(weights)}: put the run's file back to continue it")
-    return runs, state
-
-
 def restore(learner, record, state, device):
     """A seed that an interruption stopped: the learner and record as save_checkpoint left them."""
-    with torch.no_grad():
-        for layer, W0, A, B in zip(lora_layers(learner.model), state["W0"], state["A"],
-                                   state["B"]):
-            layer.weight.copy_(W0)
-            layer.A.copy_(A)
-            layer.B.copy_(B)
+    nn.ModuleList(lora_layers(learner.model)).load_state_dict(state["kv"])
     for head in state["heads"]:
         learner.heads.append(nn.Linear(*head["weight"].shape[::-1]).to(device))
         learner.heads[-1].load_state_dict(head)
@@ -1056,7 +1000,42 @@ def restore(learner, record, state, device):
     learner.memory, learner.prototypes = state["memory"], state["prototypes"]
     record.update(state["record"])
     torch.set_rng_state(state["rng"].cpu())  # last: the heads above drew from it
-    print(f"seed {record['seed']}: resumed after task {len(record['acc'])}", flush=True)
+    print(f"seed {record['seed']}: resumed after task {len(record['acc_matrix'])}", flush=True)
+
+
+def previous(cfg, weights):
+    """A resumed run's finished seeds, and its checkpoint (None if none), refused unless it belongs
+    to the run; then config.json takes the seeds, which a resume may add to."""
+    runs, state = finished(cfg.out), None
+    path = os.path.join(cfg.out, "checkpoint.pt")
+    try:
+        if os.path.exists(path):
+            state = torch.load(path, map_location=cfg.device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torch's unpickler fails on a damaged file many ways
+        raise ConfigError(f"{path} cannot be read ({type(e).__name__}): delete it to run its seed "
+                          "again from its first task") from None
+    if state and (other := differ(state["config"], cfg)):
+        raise ConfigError(f"{path} belongs to another run (its {other} differ from config.json's): "
+                          "delete it, or resume the run it belongs to")
+    if state and state["backbone"] != backbone_file(weights):
+        raise ConfigError(f"{path}: the run started from the backbone {state['backbone']}, not "
+                          f"{backbone_file(weights)}: put the run's file back to continue it")
+    config = os.path.join(cfg.out, "config.json")
+    write_json(config, {**read_json(config, ""), "config": asdict(cfg)})
+    return runs, state
+
+
+def differ(saved, cfg):
+    """The flags whose values in a saved config differ from cfg's, of those fixed within a run."""
+    return " ".join(flag(k) for k, v in asdict(cfg).items()
+                    if k not in RESUME_FREE + ("resume", "out") and saved.get(k) != v)
+
+
+def finished(folder):
+    """The entries of the finished seeds in a folder's results.json; none if it has none."""
+    path = os.path.join(folder, "results.json")
+    return read_json(path, "delete it to run its seeds again")["runs"] if os.path.exists(
+        path) else []
 
 
 def read_json(path, fix):
@@ -1085,43 +1064,39 @@ def environment(cfg):
 
 # ---- Results: results.json's entries and the summary ---------------------------------------------
 def results_entry(record, T):
-    """A seed's entry of results.json: its record, matrices padded with None to T columns, and
-    their metrics."""
-    def padded(rows):
-        return [row + [None] * (T - len(row)) for row in rows]
-    rest = {key: record[key] for key in ("sample_acc", "task_seconds", "violation",
-                                          "interference", "geometry", "throughput")}
-    return {"seed": record["seed"], "acc_matrix": padded(record["acc"]), **metrics(record["acc"]),
-            "task_aware": {"acc_matrix": padded(record["aware"]), **metrics(record["aware"])},
-            **rest}
+    """A seed's entry of results.json: its record, with each accuracy matrix padded with None to T
+    columns and given its metrics."""
+    def matrix(acc):
+        return {"acc_matrix": [row + [None] * (T - len(row)) for row in acc], **metrics(acc)}
+    return {**record, **matrix(record["acc_matrix"]), "task_aware": matrix(record["task_aware"])}
 
 
 def summarize(runs):
     """Over the seeds: the mean and the sample standard deviation (n - 1; None for one seed) of
     ACC, MAA, BWT, the accuracy over samples, and the task-aware three."""
     def stats(values):  # undefined (None) if any run's is, as BWT with one task
-        if any(v is None for v in values):
+        if None in values:
             return {"mean": None, "std": None}
-        std = statistics.stdev(values) if len(values) > 1 else None
-        return {"mean": statistics.fmean(values), "std": std}
-    out = {"std": "sample standard deviation over the seeds (n - 1); null for one seed"}
-    out.update({key: stats([r[key] for r in runs]) for key in ("ACC", "MAA", "BWT")})
-    out["sample_ACC"] = stats([r["sample_acc"][-1] for r in runs])  # over the last test samples
-    out["task_aware"] = {key: stats([r["task_aware"][key] for r in runs])
-                         for key in ("ACC", "MAA", "BWT")}
-    return out
+        return {"mean": statistics.fmean(values),
+                "std": statistics.stdev(values) if len(values) > 1 else None}
+
+    def three(entries):
+        return {key: stats([e[key] for e in entries]) for key in ("ACC", "MAA", "BWT")}
+    return {"std": "sample standard deviation over the seeds (n - 1); null for one seed",
+            **three(runs), "sample_ACC": stats([r["sample_acc"][-1] for r in runs]),
+            "task_aware": three([r["task_aware"] for r in runs])}
 
 
 def print_summary(results):
+    """The last seed's accuracy matrix, and the summary over the seeds."""
     last, s = results["runs"][-1], results["summary"]
     print(f"accuracy (%) on each task (columns) after each task (rows), seed {last['seed']}:")
     print("after task | " + " ".join(f"task {i + 1:<2d}" for i in range(len(last["acc_matrix"]))))
     for t, row in enumerate(last["acc_matrix"]):
         print(f"{t + 1:10d} | " + " ".join(f"{fmt(a, '.1f'):>7s}" for a in row))
-    print("  ".join(f"{k} {fmt(s[k]['mean'])}" + ("" if s[k]["std"] is None else
-                                                  f" +- {fmt(s[k]['std'])}")
-                    for k in ("ACC", "MAA", "BWT", "sample_ACC")) +
-          f"  over {len(results['runs'])} seed(s); task-aware ACC "
+    stats = [f"{k} {fmt(s[k]['mean'])}" + ("" if s[k]["std"] is None else f" +- {s[k]['std']:.2f}")
+             for k in ("ACC", "MAA", "BWT", "sample_ACC")]
+    print("  ".join(stats) + f"  over {len(results['runs'])} seed(s); task-aware ACC "
           f"{s['task_aware']['ACC']['mean']:.2f}")
     print("ACC: the mean accuracy on the tasks after the last; MAA: its mean over the run; BWT: "
           "the mean change of a task's accuracy from its end to the run's (< 0: forgetting); +-: "
@@ -1137,26 +1112,24 @@ def plot(results, out):
     except ImportError:
         return print("matplotlib is not installed: no plots (results.json has the numbers)")
     c, runs = results["config"], results["runs"]
-    title = f"{c['dataset']}, T={c['tasks']}, {describe(c)}"
-    for name, draw in (("trajectory", plot_trajectory), ("violation", plot_violation),
-                       ("angular", plot_angular)):
+    for draw in (plot_trajectory, plot_violation, plot_angular):
         fig = Figure(figsize=(11, 4.4), layout="constrained")
-        fig.suptitle(title + ("" if name == "trajectory" else f", seed {runs[0]['seed']}"),
-                     fontsize=9)
+        seed = "" if draw is plot_trajectory else f", seed {runs[0]['seed']}"
+        fig.suptitle(f"{c['dataset']}, T={c['tasks']}, {describe(c)}{seed}", fontsize=9)
         draw(fig, runs)
         for ax in fig.axes:  # a legend where there is something to name
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
-        fig.savefig(os.path.join(out, f"{name}.png"), dpi=120)
+        fig.savefig(os.path.join(out, draw.__name__.removeprefix("plot_") + ".png"), dpi=120)
 
 
 def plot_trajectory(fig, runs):
     """Fig. 5: the mean accuracy on the tasks seen so far, after each task."""
     ax = fig.subplots()
-    for label, matrices in (("task-agnostic (the paper's)", [r["acc_matrix"] for r in runs]),
-                            ("task-aware (ours)", [r["task_aware"]["acc_matrix"] for r in runs])):
-        curves = torch.tensor([[mean(row[:t + 1]) for t, row in enumerate(matrix)]
-                               for matrix in matrices])  # (seeds, T)
+    for label, entries in (("task-agnostic (the paper's)", runs),
+                           ("task-aware (ours)", [r["task_aware"] for r in runs])):
+        curves = torch.tensor([[mean(row[:t + 1]) for t, row in enumerate(e["acc_matrix"])]
+                               for e in entries])  # (seeds, T)
         x = list(range(1, curves.shape[1] + 1))
         ax.plot(x, curves.mean(0), "o-", label=f"{label}, mean of {len(curves)} seed(s)")
         if len(curves) > 1:
@@ -1173,21 +1146,20 @@ def plot_violation(fig, runs):
         return fig.text(0.5, 0.5, "one task: no memory to protect yet, nothing to show",
                         ha="center")
     inter = [i for i in run["interference"] if i]
-    panels = [("against the memory M", "share of the update on M: ||dW M|| / ||dW||",
-               run["violation"], None),
-              ("on the past tasks' test inputs X", "RMS change of their outputs: ||X dW^T|| / "
-               "sqrt(n)", {n: [i["past"][j::2] for i in inter] for j, n in enumerate("kv")},
-               {n: [i["current"][j::2] for i in inter] for j, n in enumerate("kv")})]
-    for ax, (name, ylabel, measure, reference) in zip(fig.subplots(1, 2), panels):
-        for j, n in enumerate("kv"):
-            means = [mean(col) for col in zip(*measure[n])]  # per block; task 1's: None
+    left, right = fig.subplots(1, 2)
+    for j, n in enumerate("kv"):  # each block's K and V side by side; layer j of block j // 2
+        for ax, tasks in ((left, run["violation"][n]), (right, [i["past"][j::2] for i in inter])):
+            means = [mean(col) for col in zip(*tasks)]  # per block; task 1's violation: None
             x = [b + 0.8 + 0.4 * j for b in range(len(means))]
             if any(m is not None for m in means):
                 ax.bar(x, [m or 0 for m in means], 0.4, label=n.upper())
-            if reference:
-                ax.plot(x, [mean(col) for col in zip(*reference[n])], "k_", ms=9,
-                        label=f"{n.upper()} on the current task's inputs (reference)")
-        ax.set(xlabel="block", xticks=range(1, len(means) + 1), ylabel=ylabel,
+        right.plot(x, [mean(col) for col in zip(*[i["current"][j::2] for i in inter])], "k_",
+                   ms=9, label=f"{n.upper()} on the current task's inputs (reference)")
+    for ax, name, ylabel in (
+            (left, "against the memory M", "share of the update on M: ||dW M|| / ||dW||"),
+            (right, "on the past tasks' test inputs X",
+             "RMS change of their outputs: ||X dW^T|| / sqrt(n)")):
+        ax.set(xlabel="block", xticks=range(1, len(x) + 1), ylabel=ylabel,
                title=f"{name} (mean over tasks 2..T)")
     fig.supxlabel("dW = s B A: a task's LoRA update of K or V; M: the memory it was to stay off; "
                   "X: the past tasks' K/V inputs, n tokens", fontsize=8)
@@ -1224,10 +1196,10 @@ BENCHMARKED = {"plain": "--method finetune", "janus-grad": "--method janus",
 
 
 def benchmark(cfg):
-    """Plain LoRA and Janus-LoRA (GR on the gradients, and ours on Adam's step), a step of each in
-    turn on one random batch, so that drift hits all alike; the median of the per-round ratios to
-    plain LoRA. Each variant is what its name says, whatever --method was typed."""
+    """Plain LoRA and Janus-LoRA (GR on the gradients, and ours on Adam's step), whatever --method
+    says: a step of each in turn on one random batch, and the median of the per-round ratios."""
     cuda = cfg.device.startswith("cuda")
+    sync = torch.get_device_module(cfg.device).synchronize  # CUDA's kernels run asynchronously
     classes = data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
     backbone, _ = build_model(replace(cfg, weights="none"))  # random weights: the same cost
     m = min(cfg.k * (cfg.tasks // 2), backbone.embed_dim - cfg.k)  # the memory at mid-run
@@ -1246,12 +1218,10 @@ def benchmark(cfg):
         peak_mb[name] = torch.cuda.max_memory_allocated(cfg.device) / 2**20 if cuda else None
     for _ in range(cfg.steps):
         for name, step in steps.items():
-            if cuda:  # CUDA runs asynchronously: a step's time ends when its kernels do
-                torch.cuda.synchronize(cfg.device)
+            sync(cfg.device)
             start = time.perf_counter()
             step()
-            if cuda:
-                torch.cuda.synchronize(cfg.device)
+            sync(cfg.device)  # a step's time ends when its kernels do
             ms[name].append(1e3 * (time.perf_counter() - start))
     report = {name: dict(ms_per_step=statistics.median(t), peak_mb=peak_mb[name],
                          images_per_s=1e3 * cfg.batch_size / statistics.median(t),
@@ -1323,26 +1293,19 @@ def reproduce(cfg, typed):
         argv = common + rows[row].split() + ["--out", folder]
         if os.path.exists(os.path.join(folder, "config.json")):
             saved = read_json(os.path.join(folder, "config.json"), "")["config"]
-            now = asdict(configure(argv)[0])
-            differ = [flag(k) for k, v in now.items() if k not in RUN_FREE and saved.get(k) != v]
-            if differ:
-                raise ConfigError(f"row {row}: {q(folder)} was run with other {' '.join(differ)};"
-                                  " choose another --out, or remove that folder")
-            if set(cfg.seeds) <= {r["seed"] for r in row_runs(folder)}:
+            if other := differ(saved, configure(argv)[0]):
+                raise ConfigError(f"row {row}: {q(folder)} was run with other {other}; choose "
+                                  "another --out, or remove that folder")
+            if set(cfg.seeds) <= {r["seed"] for r in finished(folder)}:
                 print(f"{row}: finished, skipped")
                 continue
             argv = ["--resume", folder, *to_argv({"seeds": cfg.seeds})]
         print(f"{row}: python janus_min.py {shlex.join(argv)}", flush=True)
-        code = 0 if cfg.dry_run else main(argv)
-        if code:
+        if not cfg.dry_run and (code := main(argv)):
             return code
-    return 0 if cfg.dry_run else write_table(cfg, out, rows)
-
-
-def row_runs(folder):
-    """The finished seeds' runs of a row, from its results.json; none if it has none."""
-    path = os.path.join(folder, "results.json")
-    return read_json(path, "")["runs"] if os.path.exists(path) else []
+    if not cfg.dry_run:
+        write_table(cfg, out, rows)
+    return 0
 
 
 def write_table(cfg, out, rows):
@@ -1352,23 +1315,22 @@ def write_table(cfg, out, rows):
              "", "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
              "violation | danger share | s / task |", "|" + "---|" * 11]
     for row in rows:
-        runs = row_runs(os.path.join(out, row))
+        runs = finished(os.path.join(out, row))
         if not runs:  # with --row, the others may not have run
             continue
         s = summarize(runs)
         violations = [v for r in runs for n in "kv" for task in r["violation"][n] for v in task]
-        cells = [f"{fmt(s[k]['mean'])} ± {fmt(s[k]['std'])}" for k in
-                 ("ACC", "MAA", "BWT", "sample_ACC")] + [fmt(s["task_aware"]["ACC"]["mean"]),
-                 fmt(mean(violations), ".2e"),
+        cells = [row, f"`{rows[row] or '(none)'}`", len(runs),
+                 *[f"{fmt(s[k]['mean'])} ± {fmt(s[k]['std'])}"
+                   for k in ("ACC", "MAA", "BWT", "sample_ACC")],
+                 fmt(s["task_aware"]["ACC"]["mean"]), fmt(mean(violations), ".2e"),
                  fmt(mean([g["danger"] for r in runs for g in r["geometry"] if g]), ".3f"),
                  fmt(mean([x for r in runs for x in r["task_seconds"]]), ".1f")]
-        lines.append(f"| {row} | `{rows[row] or '(none)'}` | {len(runs)} | " +
-                     " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     text = "\n".join(lines)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text + "\n")
     print(f"{text}\nwrote {q(os.path.join(out, 'table.md'))}")
-    return 0
 
 
 def main(argv=None):
@@ -1377,12 +1339,10 @@ def main(argv=None):
     keeps its traceback."""
     cfg = None
     try:
-        cfg, typed = configure(sys.argv[1:] if argv is None else argv)
+        cfg, typed = configure(argv)  # None: sys.argv's
         if cfg.benchmark:
             return benchmark(cfg)
-        if cfg.reproduce:
-            return reproduce(cfg, typed)
-        return run(cfg, typed)
+        return reproduce(cfg, typed) if cfg.reproduce else run(cfg, typed)
     except (ConfigError, vit.CheckpointError, data.DataError, Diverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
