@@ -926,6 +926,43 @@ def test_bf16_autocast_keeps_the_method_in_float32(device):
     assert torch.equal(subs[0].V, subs[1].V)
 
 
+def _oe_oracle(V, X, M, t, products):
+    """One OE step (Eqs. (8)-(10) as we read them) in float64, dense, with the products X V and
+    X^T (X V) rounded to `products`: X_p = X (I - M M^T); a step on (1/2) ||X_p - X_p V V^T||^2
+    preconditioned by S = V^T X_p^T X_p V, at eta = 5 / (5 + t); QR with R's diagonal > 0; off M."""
+    P = torch.eye(len(M), dtype=torch.float64) - M @ M.T
+    XV = (X.to(products) @ V.to(products)).double()
+    C = P @ (X.to(products).T @ XV.to(products)).double()  # X_p^T X_p V
+    S = XV.T @ XV
+    S = S + (1e-6 * S.diagonal().mean() + torch.finfo(S.dtype).tiny) * torch.eye(len(S))
+    grad = -(C - V @ (V.T @ C)) @ torch.linalg.inv(S)
+    Q, R = torch.linalg.qr(V - 5 / (5 + t) * grad)
+    return P @ (Q * R.diagonal().sign())
+
+
+def test_oe_follows_its_float64_oracle_on_bf16_activations():
+    """Under bf16 autocast OE's inputs X are bf16; its products take their float32 copies. Over 40
+    steps its basis stays with a float64 oracle; the same steps with bf16 products drift (printed:
+    pytest -s). The activations have a mean, as a ViT's do, which is what bf16 products lose."""
+    d, k = 96, 12
+    Q, sd, g = _planted(d, k, gap=1.5, seed=3)
+    M = orthonormal(d, 8, gen=g)
+    offset = 3.0 * torch.randn(d, generator=g) / math.sqrt(d)
+    X = [((torch.randn(256, d, generator=g) * sd) @ Q.T + offset).bfloat16() for _ in range(40)]
+    sub = one_block_oe(d, k)
+    sub.V = jm.fresh_basis(M[None].float(), k)
+    exact, bf16 = sub.V[0].double(), sub.V[0].double()
+    for t, x in enumerate(X):
+        oe_step(sub, x, M.float())
+        exact = _oe_oracle(exact, x.double(), M, t, torch.float64)
+        bf16 = _oe_oracle(bf16, x.double(), M, t, torch.bfloat16)
+    ours, theirs = (_sin_largest_angle(exact, V) for V in (sub.V[0].double(), bf16))
+    print(f"\nOE on bf16 activations, the sine of the largest angle to the float64 oracle after 40 "
+          f"steps: float32 products (ours) {ours:.1e}, bf16 products {theirs:.1e}")
+    assert ours < 1e-3 and theirs > 10 * ours
+    assert float((M.T.float() @ sub.V[0]).abs().max()) < 1e-6
+
+
 def _planted(d, k, gap, seed):
     g = torch.Generator().manual_seed(seed)
     Q = orthonormal(d, d, dtype=torch.float32, gen=g)
