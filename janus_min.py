@@ -124,8 +124,10 @@ def train_step(learner, opt, images, y, cfg):
 
     # The loss, Eq. (12): the current head's cross-entropy plus lambda times DML, Eq. (11).
     # z (B, D) is the class token after the final LayerNorm; kv_inputs[i] (B, N+1, D) is block i's
-    # input, which its K and V layers share.
-    with autocast(cfg):
+    # LayerNorm-ed input, which its K and V layers, LoRALinear below, share. On CUDA the frozen
+    # backbone runs under bf16 autocast (--precision), the LoRA layers' projection in float32.
+    bf16 = images.is_cuda and cfg.precision == "bf16"
+    with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):
         z, kv_inputs = model.encode(images)
     z = z.float()
     logits = head(z)
@@ -144,12 +146,13 @@ def train_step(learner, opt, images, y, cfg):
     # G_safe. Adam takes them, as the paper says. Ours, --rectify update, rectifies the step that
     # Adam proposes instead, since Adam's per-coordinate scaling moves a step out of the safe set.
     layers = lora_layers(model)
-    if cfg.gr and cfg.rectify == "grad":
-        rectify_gradients_(layers, cfg.delta)
-    if cfg.gr and cfg.rectify == "update":
-        rectified_adam_step_(opt, layers, cfg.delta)
-    else:
+    if not cfg.gr:
         opt.step()
+    elif cfg.rectify == "grad":
+        rectify_gradients_(layers, cfg.delta)
+        opt.step()
+    else:
+        rectified_adam_step_(opt, layers, cfg.delta)
 
     # OE, Eqs. (8)-(10): each block's basis V learns from this batch's K/V inputs, staying off the
     # memory. Ours: V joins M at the task's end, and until then the safe gradient projects with M
@@ -235,6 +238,33 @@ def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     return intra + hinge.mean()
 
 
+# ---- GR: Gradient Rectification, Eqs. (5)-(7) ----------------------------------------------------
+def rectify_gradients_(layers, delta):
+    """Replace the LoRA pairs' factor gradients by GR's, for all layers in one batch."""
+    A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
+    B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
+    s = layers[0].scale
+    # Autograd left the chain rule of G_safe (Eq. (4) applied to G_safe, with s): s B^T G_safe and
+    # s G_safe A^T. GR's Eqs. (6)-(7) take them without s.
+    BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
+    GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
+    dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
+    for layer, a, b in zip(layers, dA, dB):
+        layer.A.grad.copy_(a)
+        layer.B.grad.copy_(b)
+
+
+def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
+    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone: G_safe itself,
+    d_out x d_in, is never formed. In float64, as the r x r systems can be ill-conditioned."""
+    dtype = BtG.dtype
+    BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
+    dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6); delta relative (ours)
+    RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
+    dB = spd_solve(ridge(gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
+    return dA.to(dtype), dB.to(dtype)
+
+
 # ---- OE: Online Estimation, Eqs. (8)-(10) --------------------------------------------------------
 class OnlineSubspace:
     """OE's basis V (L, D, k): for each of L blocks, an orthonormal basis of the current task's K/V
@@ -288,33 +318,6 @@ def fresh_basis(M, k):
     # drawn on the CPU, so that a run's random numbers do not depend on the device
     V = torch.randn(L, D, min(k, D - m)).to(M.device)
     return torch.linalg.qr(off_span(V, M)).Q
-
-
-# ---- GR: Gradient Rectification, Eqs. (5)-(7) ----------------------------------------------------
-def rectify_gradients_(layers, delta):
-    """Replace the LoRA pairs' factor gradients by GR's, for all layers in one batch."""
-    A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
-    B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
-    s = layers[0].scale
-    # Autograd left the chain rule of G_safe (Eq. (4) applied to G_safe, with s): s B^T G_safe and
-    # s G_safe A^T. GR's Eqs. (6)-(7) take them without s.
-    BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
-    GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
-    dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
-    for layer, a, b in zip(layers, dA, dB):
-        layer.A.grad.copy_(a)
-        layer.B.grad.copy_(b)
-
-
-def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
-    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone: G_safe itself,
-    d_out x d_in, is never formed. In float64, as the r x r systems can be ill-conditioned."""
-    dtype = BtG.dtype
-    BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
-    dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6); delta relative (ours)
-    RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
-    dB = spd_solve(ridge(gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
-    return dA.to(dtype), dB.to(dtype)
 
 
 # ---- The small linear algebra that OE and GR share -----------------------------------------------
@@ -618,16 +621,11 @@ def features(model, images, cfg):
 def batches(model, images, cfg):
     """(z, K/V inputs, y) of each batch of the images in order, under the run's autocast."""
     for x, y in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
-        with autocast(cfg):
-            z, kv_inputs = model.encode(x.to(cfg.device))
+        x = x.to(cfg.device)
+        with torch.autocast(x.device.type, torch.bfloat16,
+                            enabled=x.is_cuda and cfg.precision == "bf16"):  # as train_step
+            z, kv_inputs = model.encode(x)
         yield z.float(), kv_inputs, y.to(cfg.device)
-
-
-def autocast(cfg):
-    """bf16 autocast on CUDA unless --precision fp32 (the InfLoRA codebase's); none on the CPU."""
-    device = torch.device(cfg.device).type
-    return torch.autocast(device, torch.bfloat16,
-                          enabled=device == "cuda" and cfg.precision == "bf16")
 
 
 def metrics(acc):
