@@ -835,13 +835,13 @@ def configure(argv):
                   gpm_threshold=list(cfg.gpm_threshold or gpm),
                   workers=os.cpu_count() if cfg.workers is None else cfg.workers,
                   precision="fp32" if device == "cpu" else cfg.precision)  # autocast: CUDA's
-    check(cfg, typed)
+    check(cfg)
+    notes(cfg, typed)
     return cfg, typed
 
 
-def check(cfg, typed):
-    """Refuse a value that cannot run, in one line that names its flag and says what to do; note
-    the flags typed that have no effect with the others, and a memory that will fill."""
+def check(cfg):
+    """Refuse a value that cannot run, in one line that names its flag and says what to do."""
     width = vit.PRESETS[cfg.model].keywords["embed_dim"]
     gpus = torch.cuda.device_count()
     device = re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device)
@@ -878,6 +878,11 @@ def check(cfg, typed):
         if not ok:  # the flag as typed: --seeds 1 1, --dry-run
             raise ConfigError(f"{' '.join(to_argv({name: getattr(cfg, name)}))}: {fix}")
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides them
+
+
+def notes(cfg, typed):
+    """A note for the flags typed that have no effect with the others, and for a memory that will
+    fill before the last task."""
     moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,
             "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
             "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml,
@@ -886,6 +891,7 @@ def check(cfg, typed):
     moot = {name for names, off in moot.items() if off for name in names.split()} & set(typed)
     if moot:
         print(f"note: {' '.join(map(flag, sorted(moot)))}: no effect with these settings, ignored")
+    width = vit.PRESETS[cfg.model].keywords["embed_dim"]
     full = math.ceil(width / cfg.k)  # the tasks after which each block's memory is full
     if cfg.oe and cfg.memory == "oe" and full < cfg.tasks:
         print(f"note: --k {cfg.k} fills each block's memory ({cfg.model}: width {width}) after "
