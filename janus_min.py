@@ -752,6 +752,7 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
 SWITCHES = ("oe", "gr", "dml", "rectify", "memory", "lora_a")  # what tells the methods apart
 RESUME_FREE = ("device", "workers", "compile", "seeds")  # what a resume may change
+FOLLOWS_DEVICE = ("resume", "out", "precision")  # and what changes with it: fp32 on a CPU
 EXAMPLES = """examples:
   python janus_min.py --dataset synthetic --model vit_tiny --weights none   # a first run
   python janus_min.py --dataset cifar100 --seeds 0 1 2 3 4 --out runs/cifar
@@ -855,7 +856,8 @@ def check(cfg):
         *[(name, getattr(cfg, name) >= 1, "must be 1 or more")
           for name in ("epochs", "batch_size", "img_size", "patch_size", "oe_decay_steps",
                        "steps")],
-        ("limit_per_class", (cfg.limit_per_class or 1) >= 1, "must be 1 or more"),
+        ("limit_per_class", cfg.limit_per_class is None or cfg.limit_per_class >= 1,
+         "must be 1 or more"),
         *[(name, 1 <= getattr(cfg, name) <= width, f"must lie in 1..{width}, the width of "
           f"{cfg.model}") for name in ("rank", "k")],
         ("img_size", cfg.img_size % cfg.patch_size == 0, "must be a multiple of --patch-size"),
@@ -1032,7 +1034,7 @@ def previous(cfg, weights):
 def differ(saved, cfg):
     """The flags whose values in a saved config differ from cfg's, of those fixed within a run."""
     return " ".join(flag(k) for k, v in asdict(cfg).items()
-                    if k not in RESUME_FREE + ("resume", "out") and saved.get(k) != v)
+                    if k not in RESUME_FREE + FOLLOWS_DEVICE and saved.get(k) != v)
 
 
 def finished(folder):
@@ -1303,7 +1305,8 @@ def reproduce(cfg, typed):
             if set(cfg.seeds) <= {r["seed"] for r in finished(folder)}:
                 print(f"{row}: finished, skipped")
                 continue
-            argv = ["--resume", folder, *to_argv({"seeds": cfg.seeds})]
+            free = {k: v for k, v in typed.items() if k in RESUME_FREE}  # --device, --seeds...
+            argv = ["--resume", folder, *to_argv(free)]
         print(f"{row}: python janus_min.py {shlex.join(argv)}", flush=True)
         if not cfg.dry_run and (code := main(argv)):
             return code

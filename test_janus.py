@@ -1556,6 +1556,9 @@ def test_a_run_folder_is_claimed_once_and_resumed_with_its_own_flags(tiny_run, t
                        (["--resume", done, "--epochs", "3"], "drop --epochs"),
                        (["--resume", done, "--seeds", "1"], "the run has the seeds 0")):
         assert jm.main(argv) == 2 and said in capsys.readouterr().err
+    cfg = jm.configure(TINY)[0]  # a CUDA bf16 run resumed on a CPU is the same run, in fp32
+    assert jm.differ({**dataclasses.asdict(cfg), "device": "cuda", "precision": "bf16"}, cfg) == ""
+    assert jm.differ({**dataclasses.asdict(cfg), "epochs": 9}, cfg) == "--epochs"
 
 
 def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbone(
@@ -1651,6 +1654,7 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "lr": (TINY + ["--lr", "-1"], "--lr -1.0: must be positive"),
     "nan": (TINY + ["--margin", "nan"], "--margin nan: must be 0 or more"),
     "epochs": (TINY + ["--epochs", "0"], "error: --epochs 0: must be 1 or more\n"),
+    "limit": (TINY + ["--limit-per-class", "0"], "--limit-per-class 0: must be 1 or more"),
     "rank": (TINY + ["--rank", "500"], "--rank 500: must lie in 1..192"),
     "tasks": (TINY + ["--tasks", "5"], "--tasks 5 does not split 12 classes"),
     "img": (TINY + ["--img-size", "30"], "--img-size 30: must be a multiple of --patch-size"),
@@ -1813,6 +1817,9 @@ def test_reproduce_runs_resumes_refuses_other_flags_and_tabulates(tmp_path, monk
     monkeypatch.setattr(jm, "run_seed", stop_the_second_row)
     assert jm.main(argv) == 130
     assert jm.main(argv + ["--row", "lora-gpm-gr"]) == 0  # that row alone, resumed
+    folder = shlex.quote(str(tmp_path / "my out" / "lora-gpm-gr"))
+    resumed = f"--resume {folder} --workers 0 --device"
+    assert resumed in capsys.readouterr().out  # with the flags typed that a resume may change
     assert jm.main(argv) == 0 and calls == ["lora-gpm", "lora-gpm-gr", "lora-gpm-gr"]
     table = (tmp_path / "my out" / "table.md").read_text()
     assert "| lora-gpm | `--method lora-gpm` | 1 |" in table and "| lora-gpm-gr |" in table
