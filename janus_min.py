@@ -110,8 +110,8 @@ class Learner:
     """What the method carries from one task to the next."""
     model: nn.Module  # the frozen ViT; its K and V layers are LoRALinear, merged at each task's end
     heads: nn.ModuleList  # one linear head per task so far; the last is the current task's
-    oe: "OnlineSubspace"  # OE's basis V of each block for the current task; None when OE is off
-    memory: list  # each block's protected memory M (D, m): the finished tasks' OE bases
+    oe: "OnlineSubspace"  # OE's basis V of each block for the current task; None without OE
+    memory: list  # each block's memory M (D, m): the finished tasks' OE (or GPM's) bases
     prototypes: torch.Tensor  # (old classes, D), unit rows: DML's old prototypes, C_past
 
 
@@ -1011,7 +1011,7 @@ def restore(learner, record, state, device):
 
 def previous(cfg, weights):
     """A resumed run's finished seeds, and its checkpoint (None if none), refused unless it belongs
-    to the run; then config.json takes the seeds, which a resume may add to."""
+    to the run; then config.json takes the resume's config (its device, workers, more seeds)."""
     runs, state = finished(cfg.out), None
     path = os.path.join(cfg.out, "checkpoint.pt")
     try:

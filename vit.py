@@ -63,7 +63,7 @@ class Block(nn.Module):
 
 class VisionTransformer(nn.Module):
     """ViT-B/16's architecture at any width and depth; kv_layer(dim, dim) builds each block's K
-    and V layers: nn.Linear, or a subclass of it that a method passes (called with one argument)."""
+    and V layers: nn.Linear, or a subclass of it that a method passes."""
 
     def __init__(self, img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12,
                  kv_layer=nn.Linear):
