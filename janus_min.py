@@ -752,7 +752,9 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
 SWITCHES = ("oe", "gr", "dml", "rectify", "memory", "lora_a")  # what tells the methods apart
 RESUME_FREE = ("device", "workers", "compile", "seeds")  # what a resume may change
-FOLLOWS_DEVICE = ("resume", "out", "precision")  # and what changes with it: fp32 on a CPU
+# What may differ between two configs of one run: the above, its folder, and the precision,
+# which follows the device (fp32 on a CPU).
+RUN_FREE = RESUME_FREE + ("resume", "out", "precision")
 EXAMPLES = """examples:
   python janus_min.py --dataset synthetic --model vit_tiny --weights none   # a first run
   python janus_min.py --dataset cifar100 --seeds 0 1 2 3 4 --out runs/cifar
@@ -1034,7 +1036,7 @@ def previous(cfg, weights):
 def differ(saved, cfg):
     """The flags whose values in a saved config differ from cfg's, of those fixed within a run."""
     return " ".join(flag(k) for k, v in asdict(cfg).items()
-                    if k not in RESUME_FREE + FOLLOWS_DEVICE and saved.get(k) != v)
+                    if k not in RUN_FREE and saved.get(k) != v)
 
 
 def finished(folder):
