@@ -254,7 +254,7 @@ def rectify_gradients_(layers, delta):
         layer.B.grad.copy_(b)
 
 
-def rectify_factors(BtG, GAt, A, B, scale, delta=1e-4):
+def rectify_factors(BtG, GAt, A, B, scale, delta):
     """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone: G_safe itself,
     d_out x d_in, is never formed. In float64, as the r x r systems can be ill-conditioned."""
     dtype = BtG.dtype
@@ -444,10 +444,6 @@ def inflora_a(C, M, rank):
 
 
 # ==== 3. The protocol: InfLoRA's (a head per task, no exemplars, no task id at test) =============
-class Diverged(Exception):
-    """The loss is no longer finite: the run cannot go on."""
-
-
 def build_model(cfg):
     """The backbone of cfg.model with LoRA on K and V, loaded from cfg.weights, in eval mode for
     good (the ViT has no dropout). Returns it and the path of the weights' file (None: random)."""
@@ -481,12 +477,32 @@ def start_learner(cfg, seed, backbone):
     return Learner(model, nn.ModuleList(), oe, memory, torch.zeros(0, D, device=cfg.device))
 
 
-def protected(learner, cfg):
-    """Each block's M that its LoRA pairs stay off during a task: the finished tasks' memory; or,
-    with --memory oe-rolling (the paper's words read literally), OE's V as each step moves it."""
-    if cfg.memory == "oe-rolling" and learner.oe is not None:
-        return list(learner.oe.V)  # views of V, which OnlineSubspace.update changes in place
-    return learner.memory
+def new_record(seed):
+    """What a seed's run measures, task by task: results.json's entry before its metrics."""
+    return {"seed": seed, "acc_matrix": [], "task_aware": [], "sample_acc": [], "task_seconds": [],
+            "throughput": [], "violation": {"k": [], "v": []}, "interference": [], "geometry": []}
+
+
+def run_seed(learner, record, splits, cfg, after_task):
+    """One seed: every task not finished yet, in turn, measured into `record`; after_task(learner,
+    record) is the program's (it saves them)."""
+    tasks = data.task_classes(splits.num_classes, cfg.tasks)
+    for t in range(len(record["acc_matrix"]), cfg.tasks):
+        start = time.time()  # a task's time: training and the method's own passes, not the tests
+        start_task(learner, t, tasks, splits, cfg)
+        memory = [layer.M.clone() for layer in lora_layers(learner.model)[::2]]  # what it protects
+        record["throughput"].append(train_task(learner, t, tasks, splits, cfg, record["seed"]))
+        factors = end_task(learner, t, tasks, splits, cfg)
+        record["task_seconds"].append(time.time() - start)
+        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg)
+        record["acc_matrix"].append(acc)
+        record["task_aware"].append(aware)
+        record["sample_acc"].append(sample)
+        print(f"task {t + 1} accuracy per task: {' '.join(f'{a:.2f}' for a in acc)}  | mean "
+              f"{sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
+              f"{sum(aware) / len(aware):.2f}  | {record['task_seconds'][-1]:.1f} s", flush=True)
+        record_analyses(record, learner, t, factors, memory, splits, cfg)
+        after_task(learner, record)
 
 
 def start_task(learner, t, tasks, splits, cfg):
@@ -507,6 +523,18 @@ def start_task(learner, t, tasks, splits, cfg):
         with torch.no_grad():
             for j, layer in enumerate(lora_layers(model)):
                 layer.A.copy_(A[j // 2])
+
+
+def protected(learner, cfg):
+    """Each block's M that its LoRA pairs stay off during a task: the finished tasks' memory; or,
+    with --memory oe-rolling (the paper's words read literally), OE's V as each step moves it."""
+    if cfg.memory == "oe-rolling" and learner.oe is not None:
+        return list(learner.oe.V)  # views of V, which OnlineSubspace.update changes in place
+    return learner.memory
+
+
+class Diverged(Exception):
+    """The loss is no longer finite: the run cannot go on."""
 
 
 def train_task(learner, t, tasks, splits, cfg, seed):
@@ -637,34 +665,6 @@ def metrics(acc):
     return {"ACC": sum(acc[T - 1][:T]) / T, "MAA": maa, "BWT": bwt}
 
 
-def new_record(seed):
-    """What a seed's run measures, task by task: results.json's entry before its metrics."""
-    return {"seed": seed, "acc_matrix": [], "task_aware": [], "sample_acc": [], "task_seconds": [],
-            "throughput": [], "violation": {"k": [], "v": []}, "interference": [], "geometry": []}
-
-
-def run_seed(learner, record, splits, cfg, after_task):
-    """One seed: every task not finished yet, in turn, measured into `record`; after_task(learner,
-    record) is the program's (it saves them)."""
-    tasks = data.task_classes(splits.num_classes, cfg.tasks)
-    for t in range(len(record["acc_matrix"]), cfg.tasks):
-        start = time.time()  # a task's time: training and the method's own passes, not the tests
-        start_task(learner, t, tasks, splits, cfg)
-        memory = [layer.M.clone() for layer in lora_layers(learner.model)[::2]]  # what it protects
-        record["throughput"].append(train_task(learner, t, tasks, splits, cfg, record["seed"]))
-        factors = end_task(learner, t, tasks, splits, cfg)
-        record["task_seconds"].append(time.time() - start)
-        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg)
-        record["acc_matrix"].append(acc)
-        record["task_aware"].append(aware)
-        record["sample_acc"].append(sample)
-        print(f"task {t + 1} accuracy per task: {' '.join(f'{a:.2f}' for a in acc)}  | mean "
-              f"{sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
-              f"{sum(aware) / len(aware):.2f}  | {record['task_seconds'][-1]:.1f} s", flush=True)
-        record_analyses(record, learner, t, factors, memory, splits, cfg)
-        after_task(learner, record)
-
-
 # ---- The paper's analyses after each task: the null-space violation against the memory and on
 # real activations (Fig. 2), DML's geometry (Fig. 3 and the appendix's density) --------------------
 def record_analyses(record, learner, t, factors, memory, splits, cfg):
@@ -740,7 +740,6 @@ def mean(values):
 def fmt(value, spec=".2f"):
     """A number for a table, or '-' where it is undefined."""
     return "-" if value is None else format(value, spec)
-
 
 # ==== 4. The program: flags, the run folder and resume, results, plots, --benchmark, --reproduce ==
 # --method NAME: its flags, and its name in the paper's tables.
@@ -890,14 +889,22 @@ def notes(cfg, typed):
     moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,
             "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
             "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml,
-            "precision": cfg.device == "cpu", "steps": not cfg.benchmark,
-            "epochs seeds weights limit_per_class reproduce row dry_run resume": cfg.benchmark}
+            "precision": cfg.device == "cpu", "steps": not cfg.benchmark}
+    if cfg.benchmark:  # its variants set the method; it trains on a random batch, one task
+        moot = {"method oe gr dml rectify memory lora_a gpm_threshold epochs schedule seeds "
+                "weights input_range data_dir workers limit_per_class reproduce row dry_run "
+                "resume": True,
+                "precision": cfg.device == "cpu"}
     moot = {name for names, off in moot.items() if off for name in names.split()} & set(typed)
+    if cfg.reproduce:  # a flag that each row sets is the row's
+        rows = REPRODUCE[cfg.reproduce][1]
+        chosen = [rows[cfg.row]] if cfg.row else rows.values()
+        moot |= set.intersection(*[set(parse(flags.split())[1]) for flags in chosen]) & set(typed)
     if moot:
         print(f"note: {' '.join(map(flag, sorted(moot)))}: no effect with these settings, ignored")
     width = vit.PRESETS[cfg.model].keywords["embed_dim"]
     full = math.ceil(width / cfg.k)  # the tasks after which each block's memory is full
-    if cfg.oe and cfg.memory == "oe" and full < cfg.tasks:
+    if cfg.oe and cfg.memory == "oe" and full < cfg.tasks and not cfg.benchmark:
         print(f"note: --k {cfg.k} fills each block's memory ({cfg.model}: width {width}) after "
               f"task {full} of {cfg.tasks}: the later tasks cannot change K and V")
 
@@ -1213,17 +1220,19 @@ def benchmark(cfg):
     m = min(cfg.k * (cfg.tasks // 2), backbone.embed_dim - cfg.k)  # the memory at mid-run
     images = torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, device=cfg.device)
     y = torch.randint(0, classes, (cfg.batch_size,), device=cfg.device)
-    steps, peak_mb, ms = {}, {}, {name: [] for name in BENCHMARKED}
+    steps, peak_mb, ms = {}, dict.fromkeys(BENCHMARKED), {name: [] for name in BENCHMARKED}
     for name, flags in BENCHMARKED.items():  # built and warmed up one by one: each one's memory
         preset = Config(**parse(flags.split())[0])
         vcfg = replace(cfg, **{s: getattr(preset, s) for s in SWITCHES})
+        if cuda:  # its own memory: the peak above what the variants before it hold
+            held = torch.cuda.memory_allocated(cfg.device)
+            torch.cuda.reset_peak_memory_stats(cfg.device)
         learner = mid_run_learner(vcfg, backbone, m, classes)
         steps[name] = partial(train_step, learner, adam(learner, vcfg), images, y, vcfg)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(cfg.device)
         for _ in range(5):  # warm-up: the allocator, kernels, Adam's state
             steps[name]()
-        peak_mb[name] = torch.cuda.max_memory_allocated(cfg.device) / 2**20 if cuda else None
+        if cuda:
+            peak_mb[name] = (torch.cuda.max_memory_allocated(cfg.device) - held) / 2**20
     for _ in range(cfg.steps):
         for name, step in steps.items():
             sync(cfg.device)

@@ -126,7 +126,7 @@ def small(tmp_path_factory):
     paths = {layout: folder / f'w.{layout}' for layout in ('npz', 'timm', 'ours')}
     write_npz(sd, paths['npz'], heads=3)
     torch.save(tv_to_timm(sd), paths['timm'])
-    plain = vit.vit_tiny_patch16(depth=2)
+    plain = vit.PRESETS["vit_tiny"](depth=2)
     load(plain, paths['timm'])
     torch.save(plain.state_dict(), paths['ours'])  # a plain ViT's own state dict
     return dict(tv=sd, timm=tv_to_timm(sd), ours=plain.state_dict(), x=x, ref=features(tv, x),
@@ -169,7 +169,7 @@ def test_every_format_loads_the_same_weights(small, tmp_path, case):
     """Each container and key layout fills all 38 tensors: torchvision's features within 1e-5."""
     write, container, layout, ignored = GOOD[case]
     write(small, tmp_path / 'w')
-    model = vit.vit_tiny_patch16(depth=2)
+    model = vit.PRESETS["vit_tiny"](depth=2)
     line = load(model, tmp_path / 'w')
     assert line.endswith(f'w: {container} file, {layout} key layout, 38 tensors loaded, ignored '
                          f'checkpoint keys: {ignored}\n')
@@ -183,7 +183,7 @@ def test_vit_b16_matches_torchvision(tmp_path):
     tv = torchvision.models.vit_b_16()
     x = torch.randn(2, 3, 224, 224)
     torch.save(tv_to_timm(tv.state_dict()), tmp_path / 'w')
-    model = vit.vit_base_patch16()
+    model = vit.PRESETS["vit_base"]()
     assert load(model, tmp_path / 'w').endswith('w: torch file, timm key layout, 198 tensors '
                                                 'loaded, ignored checkpoint keys: head.bias, '
                                                 'head.weight\n')
@@ -208,8 +208,8 @@ class LoRAish(torch.nn.Linear):
 def test_a_kv_layer_with_parameters_of_its_own_loads(small):
     """kv_layer builds K and V, both fed h = norm1(x), encode's K/V input (bf16 under autocast);
     loading fills the ViT's tensors, leaves the K/V layer's own, and A = 0 is the plain ViT."""
-    model = vit.vit_tiny_patch16(depth=2, kv_layer=LoRAish)
-    plain = vit.vit_tiny_patch16(depth=2)
+    model = vit.PRESETS["vit_tiny"](depth=2, kv_layer=LoRAish)
+    plain = vit.PRESETS["vit_tiny"](depth=2)
     kv = [layer for block in model.blocks for layer in (block.attn.k, block.attn.v)]
     assert all(type(layer) is LoRAish for layer in kv)
     q_proj = [layer for block in model.blocks for layer in (block.attn.q, block.attn.proj)]
@@ -240,7 +240,7 @@ def test_seeded_construction_draws_in_the_documented_order():
     """A seeded ViT draws as patch_embed, cls_token, pos_embed, then per block q, proj, k, v, fc1,
     fc2 (LayerNorms draw nothing), and nothing more: seeded runs repeat across versions."""
     torch.manual_seed(0)
-    sd = vit.vit_tiny_patch16(depth=2, img_size=32).state_dict()
+    sd = vit.PRESETS["vit_tiny"](depth=2, img_size=32).state_dict()
     after = torch.get_rng_state()
     torch.manual_seed(0)
     d = 192
@@ -302,7 +302,7 @@ def test_bad_checkpoints_fail_with_a_named_problem(small, tmp_path, case):
 @pytest.mark.parametrize('img_size, grid', [(384, 24), (32, 2)])
 def test_position_embedding_is_resized(small, img_size, grid):
     """Another resolution: the 14x14 grid resized as timm's (bicubic, antialiased), class kept."""
-    model = vit.vit_tiny_patch16(depth=2, img_size=img_size)
+    model = vit.PRESETS["vit_tiny"](depth=2, img_size=img_size)
     assert f'resized 14x14 -> {grid}x{grid}, ' in load(model, small['paths']['timm'])
     pos = small['timm']['pos_embed']
     tokens = pos[:, 1:].reshape(1, 14, 14, 192).permute(0, 3, 1, 2)
@@ -323,8 +323,8 @@ def test_named_sources_offline_and_in_the_hub_cache(small, tmp_path, monkeypatch
                        '--weights none'):  # where to put the file; a quick try without it
             assert needle in str(e.value)
     with pytest.raises(vit.CheckpointError, match="no 'dino' weights for a ViT of width 192"):
-        vit.load_pretrained(vit.vit_tiny_patch16(depth=1), 'dino')
-    model = vit.vit_tiny_patch16(depth=1)
+        vit.load_pretrained(vit.PRESETS["vit_tiny"](depth=1), 'dino')
+    model = vit.PRESETS["vit_tiny"](depth=1)
     before = copy.deepcopy(model.state_dict())
     assert '--weights none' in load(model, 'none')
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -337,7 +337,7 @@ def test_named_sources_offline_and_in_the_hub_cache(small, tmp_path, monkeypatch
         shutil.copyfile(small['paths']['npz'], dst)
     monkeypatch.setattr(torch.hub, 'download_url_to_file', download)
     for _ in range(2):  # the second call finds the cached file
-        model = vit.vit_tiny_patch16(depth=2)
+        model = vit.PRESETS["vit_tiny"](depth=2)
         assert load(model, 'in21k').startswith(f'[vit] {cached}: npz file')
         assert (features(model, small['x']) - small['ref']).abs().max() <= 1e-5
     assert calls == [(in21k, cached)]
@@ -598,8 +598,6 @@ def test_fashion_mnist_files_and_the_batched_pipeline(tmp_path):
 
 @pytest.mark.skipif(not (DEBIAN_FASHION / 'train-images-idx3-ubyte.gz').is_file(),
                     reason='no dataset-fashion-mnist')
-
-
 def test_fashion_mnist_debian():
     s = _load('fashion-mnist', DEBIAN_FASHION, 224)
     assert (len(s.train), len(s.test)) == (60000, 10000)
@@ -752,7 +750,7 @@ def test_missing_data_names_the_folder_the_source_and_the_flag(tmp_path, name, d
 # ============== janus_min.py, the method: LoRA and Theorem 3.1, GR, OE, DML, ours ===============
 def lora_vit(scale=1.0, **kwargs):  # a ViT-Ti with the method's LoRA on K and V
     kv_layer = functools.partial(jm.LoRALinear, rank=10, scale=scale)
-    return vit.vit_tiny_patch16(kv_layer=kv_layer, **kwargs)
+    return vit.PRESETS["vit_tiny"](kv_layer=kv_layer, **kwargs)
 
 
 def test_lora_lifecycle(small):
@@ -1004,7 +1002,7 @@ def test_oe_captures_a_vit_tasks_activations_within_an_epoch():
     """An epoch of OE on ViT-Ti K/V inputs, all 12 blocks as one stack, captures >= 99% of the
     best rank-k subspace's energy in every block."""
     torch.manual_seed(0)
-    model = vit.vit_tiny_patch16(img_size=32, patch_size=8).eval()
+    model = vit.PRESETS["vit_tiny"](img_size=32, patch_size=8).eval()
     task = data.subset(data.load_dataset("synthetic", None, 32, 0.0, 1.0).train, [0, 1, 2, 3])
     k, sub, captured = 8, jm.OnlineSubspace(12, 192, 8), {}
     empty = [torch.zeros(192, 0)] * 12
@@ -1284,16 +1282,10 @@ def test_compiled_blocks_give_the_same_steps_on_every_torch_admitted(monkeypatch
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
-def _images(x, y):  # an in-memory data set as data.subset and the loaders take it
-    ds = torch.utils.data.TensorDataset(x, torch.as_tensor(y))
-    ds.targets = list(map(int, y))
-    return ds
-
-
 def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_memory():
     """probe: per layer ||X dW^T||_F^2 / tokens over past and current K/V inputs, dW = s B A."""
     torch.manual_seed(9)
-    model = vit.vit_tiny_patch16(depth=2, img_size=32, patch_size=8).eval()
+    model = vit.PRESETS["vit_tiny"](depth=2, img_size=32, patch_size=8).eval()
     factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
     images, y = torch.rand(10, 3, 32, 32), torch.tensor([0, 1, 2, 3, 4] * 2)
     cfg = jm.Config(device="cpu", batch_size=4, workers=0, lora_scale=0.5)
@@ -1588,7 +1580,7 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, err
     weights = tmp_path / "vit.pt"  # a run from a backbone file, interrupted after task 1
-    torch.save(vit.vit_tiny_patch16(img_size=32, patch_size=8).state_dict(), weights)
+    torch.save(vit.PRESETS["vit_tiny"](img_size=32, patch_size=8).state_dict(), weights)
     real_evaluate = jm.evaluate
 
     def evaluate(model, heads, *args):  # Ctrl-C in task 2, after task 1's checkpoint
@@ -1719,11 +1711,15 @@ def test_help_notes_and_the_default_workers(capsys, monkeypatch):
     for argv, moot in ((["--no-oe", "--k", "8"], "--k"), (["--precision", "bf16"], "--precision"),
                        (["--method", "finetune", "--k", "8", "--margin", "0.1"], "--k --margin"),
                        (["--no-gr", "--delta", "1e-3"], "--delta"), (["--steps", "3"], "--steps"),
-                       (["--benchmark", "--epochs", "3", "--seeds", "1"], "--epochs --seeds")):
+                       (["--benchmark", "--epochs", "3", "--seeds", "1"], "--epochs --seeds"),
+                       (["--benchmark", "--method", "finetune", "--workers", "1"],
+                        "--method --workers"),  # the benchmark's variants are its own
+                       (["--reproduce", "k", "--k", "8", "--margin", "0.1"], "--k")):  # each row's
         jm.configure(argv + ["--device", "cpu"])
         assert f"note: {moot}: no effect with these settings, ignored" in capsys.readouterr().out
-    jm.configure(["--k", "8", "--device", "cpu"])
-    assert capsys.readouterr().out == ""
+    for argv in (["--k", "8"], ["--reproduce", "ablation", "--no-dml"]):  # row 7 keeps DML
+        jm.configure(argv + ["--device", "cpu"])
+        assert capsys.readouterr().out == ""
     jm.configure(["--model", "vit_tiny", "--k", "96", "--device", "cpu"])  # 192 wide, 10 tasks
     assert "--k 96 fills each block's memory (vit_tiny: width 192) after task 2 of 10" in \
         capsys.readouterr().out
@@ -1735,8 +1731,6 @@ def test_help_notes_and_the_default_workers(capsys, monkeypatch):
 @pytest.mark.parametrize("flags, mean_std", [
     ([], (0.0, 1.0)), (["--input-range", "half"], vit.MEAN_STD["half"]),
     (["--input-range", "checkpoint", "--weights", "dino"], vit.MEAN_STD["imagenet"])])
-
-
 def test_input_range_reaches_the_data(monkeypatch, flags, mean_std):
     got = []
 

@@ -96,7 +96,6 @@ class VisionTransformer(nn.Module):
 # Presets: 12 blocks of 64-wide heads; keywords override (img_size, patch_size, depth, kv_layer)
 PRESETS = {name: functools.partial(VisionTransformer, embed_dim=width, num_heads=width // 64)
            for name, width in [("vit_base", 768), ("vit_small", 384), ("vit_tiny", 192)]}
-vit_base_patch16, vit_small_patch16, vit_tiny_patch16 = PRESETS.values()
 
 # ---- Checkpoint loading, as tables per key layout: a model key's checkpoint key (substitutions in
 # order); the tensor layout to ours (the first pattern that matches the model key); the keys
