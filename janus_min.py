@@ -136,9 +136,10 @@ def train_step(learner, opt, images, y, cfg):
         dml = dml_loss(z, y, learner.prototypes, cfg.margin, cfg.tau, head.out_features)
         loss = loss + cfg.lambda_dml * dml
 
-    # The safe gradient, Theorem 3.1: G_safe = G (I - M M^T) for G = dL/dW of each K and V layer.
-    # The LoRA layers (below) shaped this backward pass, so the factors' gradients are already
-    # the chain rule of G_safe: s B^T G_safe for A and s G_safe A^T for B.
+    # The safe gradient, Theorem 3.1: G_safe = G (I - M M^T) for G = dL/dW of each K and V layer,
+    # where M is its block's memory, set at the task's start (start_task). The forward pass made
+    # the projection: LoRALinear (below) holds A's part in span(M) constant, so this backward pass
+    # leaves s B^T G_safe in A.grad and s G_safe A^T in B.grad.
     opt.zero_grad(set_to_none=True)
     loss.backward()
 
@@ -183,16 +184,15 @@ class LoRALinear(nn.Linear):
         if self.M.shape[1] == 0:  # nothing to protect yet
             return out + self.scale * F.linear(F.linear(x, self.A), self.B)
         # Theorem 3.1 through autograd. Split A = A_out + A_in, with A_in = A M M^T its part in
-        # span(M), and hold A_in constant. The output and dL/dx do not change, but only
-        # x (I - M M^T) reaches the factors, so their gradients become the chain rule of
-        # G_safe = G (I - M M^T): dL/dA = s B^T G_safe and dL/dB = s G_safe A^T.
+        # span(M), and hold A_in, and B where it multiplies A_in, constant. The output and dL/dx
+        # do not change. With G = dL/dW, A's gradient flows through A_out = A (I - M M^T) alone:
+        # dL/dA = s B^T G (I - M M^T) = s B^T G_safe; and dL/dB = s G A_out^T = s G_safe A^T.
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dtype = torch.promote_types(self.A.dtype, torch.float32)
             A, M = self.A.to(dtype), self.M.to(dtype)
             A_in = (A @ M) @ M.T  # (r, d_in)
             A_out = A - A_in
-        # Both parts in one product of 2r columns: x A_out^T B^T + x A_in^T B^T, where B too is
-        # held constant on A_in's part, so that no gradient flows through span(M).
+        # Both parts in one product of 2r columns: x A_out^T B^T + x A_in^T B^T.
         xA = F.linear(x, torch.cat([A_out, A_in.detach()]).to(x.dtype))  # (..., 2r)
         return out + self.scale * F.linear(xA, torch.cat([self.B, self.B.detach()], 1))
 
@@ -265,6 +265,27 @@ def rectify_factors(BtG, GAt, A, B, scale, delta):
     return dA.to(dtype), dB.to(dtype)
 
 
+# ---- The small linear algebra of GR, which OE uses too -------------------------------------------
+def gram(X):
+    """X^T X (..., k, k) of X (..., n, k), in float64: float32's round-off can fail Cholesky."""
+    X = X.double()
+    return X.mT @ X
+
+
+def ridge(S, delta):
+    """S + delta * mean(eig S) * I for Gram matrices S (..., r, r)."""
+    lam = delta * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
+    return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
+
+
+def spd_solve(S, rhs):
+    """S^-1 rhs for positive definite S (..., n, n) by Cholesky; cholesky_ex, unlike cholesky,
+    does not check the result, which would make a GPU wait."""
+    L = torch.linalg.cholesky_ex(S).L
+    y = torch.linalg.solve_triangular(L, rhs, upper=False)
+    return torch.linalg.solve_triangular(L.mT, y, upper=True)
+
+
 # ---- OE: Online Estimation, Eqs. (8)-(10) --------------------------------------------------------
 class OnlineSubspace:
     """OE's basis V (L, D, k): for each of L blocks, an orthonormal basis of the current task's K/V
@@ -320,7 +341,6 @@ def fresh_basis(M, k):
     return torch.linalg.qr(off_span(V, M)).Q
 
 
-# ---- The small linear algebra that OE and GR share -----------------------------------------------
 def off_span(V, M):
     """(I - M M^T) V: V's columns without their part in span(M)."""
     return V - M @ (M.mT @ V)
@@ -337,31 +357,11 @@ def stack_blocks(memory):
     return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memory])
 
 
-def gram(X):
-    """X^T X (..., k, k) of X (..., n, k), in float64: float32's round-off can fail Cholesky."""
-    X = X.double()
-    return X.mT @ X
-
-
-def ridge(S, delta):
-    """S + delta * mean(eig S) * I for Gram matrices S (..., r, r)."""
-    lam = delta * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
-    return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
-
-
 def qr_q(V):
     """Eq. (10)'s Q of V = QR (..., n, k) with R's diagonal > 0. R^T is the Cholesky factor of
     V^T V, which is >= I as OE's step is orthogonal to V; in float64, far faster than QR."""
     R = torch.linalg.cholesky_ex(gram(V)).L.mT
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
-
-
-def spd_solve(S, rhs):
-    """S^-1 rhs for positive definite S (..., n, n) by Cholesky; cholesky_ex, unlike cholesky,
-    does not check the result, which would make a GPU wait."""
-    L = torch.linalg.cholesky_ex(S).L
-    y = torch.linalg.solve_triangular(L, rhs, upper=False)
-    return torch.linalg.solve_triangular(L.mT, y, upper=True)
 
 
 # ==== 2. Ours and the baselines ===================================================================
