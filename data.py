@@ -31,23 +31,26 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.datasets.utils import download_url, extract_archive
 from torchvision.transforms.functional import to_pil_image
 
+
 class DataError(Exception):
     """A data set is missing, incomplete or corrupt, or the task split is impossible."""
+
 
 # Tasks, epochs, batch size, resolution: the paper's and InfLoRA's configs (ImageNet-R runs 5 and 20
 # tasks too); ours: ImageNet-100's 10 epochs (the paper gives none), the small settings for minutes.
 DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=s)
             for name, c, t, e, b, s in [
-                ('cifar100', 100, 10, 20, 128, 224), ('imagenet-r', 200, 10, 50, 128, 224),
-                ('domainnet', 345, 5, 5, 128, 224), ('imagenet100', 100, 10, 10, 128, 224),
-                ('fashion-mnist', 10, 5, 1, 128, 224), ('synthetic', 12, 3, 20, 16, 64)]}
-CIFAR100_URL = 'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz'
-IMAGENET_R_URL = 'https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar'
-DOMAINS = ('clipart', 'infograph', 'painting', 'quickdraw', 'real', 'sketch')
-FASHION_FILES = ('train-images-idx3-ubyte.gz', 'train-labels-idx1-ubyte.gz',
-                 't10k-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz')
+                ("cifar100", 100, 10, 20, 128, 224), ("imagenet-r", 200, 10, 50, 128, 224),
+                ("domainnet", 345, 5, 5, 128, 224), ("imagenet100", 100, 10, 10, 128, 224),
+                ("fashion-mnist", 10, 5, 1, 128, 224), ("synthetic", 12, 3, 20, 16, 64)]}
+CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
+IMAGENET_R_URL = "https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar"
+DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
+FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 # train: the training transform; train_eval: the same images, test transform (class prototypes)
-Splits = namedtuple('Splits', 'train train_eval test num_classes')
+Splits = namedtuple("Splits", "train train_eval test num_classes")
+
 
 class _Images(Dataset):
     """source[i]: an image file's path, or a uint8 array or tensor (C, H, W), C = 1 (grey) or 3;
@@ -65,7 +68,8 @@ class _Images(Dataset):
         if torch.is_tensor(item):  # as floats in [0, 1]
             return self.transform(item.float() / 255), self.targets[i]
         img = Image.open(item) if isinstance(item, str) else to_pil_image(torch.tensor(item))
-        return self.transform(img.convert('RGB')), self.targets[i]  # grey copied to 3 channels
+        return self.transform(img.convert("RGB")), self.targets[i]  # grey copied to 3 channels
+
 
 @contextmanager
 def _reading(what, fix):
@@ -74,88 +78,94 @@ def _reading(what, fix):
         yield
     except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, RuntimeError,
             struct.error, pickle.UnpicklingError, tarfile.TarError) as err:
-        raise DataError(f'{what} cannot be read ({type(err).__name__}: {err}): {fix}.') from None
+        raise DataError(f"{what} cannot be read ({type(err).__name__}: {err}): {fix}.") from None
+
 
 def _unpack(root, url, name, download):
     """root/name, unpacked whole or not at all from url's archive in root (downloaded if absent)."""
-    archive = root / url.rsplit('/', 1)[1]
+    archive = root / url.rsplit("/", 1)[1]
     if download and not archive.is_file():
         download_url(url, str(root))
     if archive.is_file():  # else neither folder nor archive: reading the folder says so
-        tmp = root / f'.{name}.{os.getpid()}'  # one per process: two runs never share it
+        tmp = root / f".{name}.{os.getpid()}"  # one per process: two runs never share it
         try:
-            with _reading(archive, f'delete it and fetch it again from {url}'):
+            with _reading(archive, f"delete it and fetch it again from {url}"):
                 extract_archive(str(archive), str(tmp))
             (tmp / name).rename(root / name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+
 def _cifar100(root, download):
     """The pickled cifar-100-python folder in root, or root itself, read as torchvision reads it
     but without its MD5 check, so that a copy in the same format (a generated one) loads too."""
-    folder = root if (root / 'meta').is_file() else root / 'cifar-100-python'
+    folder = root if (root / "meta").is_file() else root / "cifar-100-python"
     if not folder.is_dir():
         _unpack(root, CIFAR100_URL, folder.name, download)
     parts = []
-    for part in ('train', 'test'):
+    for part in ("train", "test"):
         raw = (folder / part).read_bytes()
-        with _reading(folder / part, 'delete it and fetch it again'):
-            entry = pickle.loads(raw, encoding='latin1')
-            nchw = np.asarray(entry['data'], np.uint8).reshape(-1, 3, 32, 32)  # rows: C, H, W
-            parts.append((nchw, list(entry['fine_labels'])))
+        with _reading(folder / part, "delete it and fetch it again"):
+            entry = pickle.loads(raw, encoding="latin1")
+            nchw = np.asarray(entry["data"], np.uint8).reshape(-1, 3, 32, 32)  # rows: C, H, W
+            parts.append((nchw, list(entry["fine_labels"])))
     return parts
+
 
 def _ls(folder, dirs=False):
     """Sorted names of folder's subfolders (dirs) or image files, hidden ones left out."""
-    return sorted(p.name for p in folder.iterdir() if p.name[0] != '.' and
+    return sorted(p.name for p in folder.iterdir() if p.name[0] != "." and
                   (p.is_dir() if dirs else p.name.lower().endswith(IMG_EXTENSIONS)))
+
 
 def _folder(root, wnids):
     """(paths, labels) of root/<wnid>/<image>, labelled by position in wnids."""
     pairs = [(str(root / w / f), y) for y, w in enumerate(wnids) for f in _ls(root / w)]
     return [p for p, _ in pairs], [y for _, y in pairs]
 
+
 def _imagenet_r(root, download):
     """imagenet-r/train/ + test/ as they are (LAE's), else imagenet-r/<wnid>/ split 80/20 per class,
     drawn once into imagenet-r_split.json and then read from it."""
-    folder, split_file = root / 'imagenet-r', root / 'imagenet-r_split.json'
+    folder, split_file = root / "imagenet-r", root / "imagenet-r_split.json"
     if not folder.is_dir():
         _unpack(root, IMAGENET_R_URL, folder.name, download)
-    if (folder / 'train').is_dir() and (folder / 'test').is_dir():
-        return [_folder(folder / part, _ls(folder / 'train', True)) for part in ('train', 'test')]
+    if (folder / "train").is_dir() and (folder / "test").is_dir():
+        return [_folder(folder / part, _ls(folder / "train", True)) for part in ("train", "test")]
     wnids = _ls(folder, dirs=True)
     if split_file.is_file():
-        with _reading(split_file, 'delete it to split again'):
-            split = json.loads(split_file.read_text(encoding='utf-8'))
-            paths = split['train'] + split['test']  # a TypeError unless two lists
+        with _reading(split_file, "delete it to split again"):
+            split = json.loads(split_file.read_text(encoding="utf-8"))
+            paths = split["train"] + split["test"]  # a TypeError unless two lists
             missing = next((p for p in paths if not (folder / p).is_file()), None)
             if missing is not None:  # now, not as a FileNotFoundError hours into training
-                raise ValueError(f'it lists {folder / missing}, which is missing')
-            if {p.split('/')[0] for p in paths} != set(wnids):
-                raise ValueError(f'its classes are not the class folders in {folder}')
+                raise ValueError(f"it lists {folder / missing}, which is missing")
+            if {p.split("/")[0] for p in paths} != set(wnids):
+                raise ValueError(f"its classes are not the class folders in {folder}")
     else:  # per class (~50 to 400+ images), from sorted paths and seed 0: the benchmark's split
-        gen, split = torch.Generator().manual_seed(0), {'train': [], 'test': []}
+        gen, split = torch.Generator().manual_seed(0), {"train": [], "test": []}
         for w in wnids:
-            files = [f'{w}/{f}' for f in _ls(folder / w)]
+            files = [f"{w}/{f}" for f in _ls(folder / w)]
             order = torch.randperm(len(files), generator=gen).tolist()
             n_test = round(0.2 * len(files))  # the protocol's 80/20
-            split['test'] += [files[i] for i in order[:n_test]]
-            split['train'] += [files[i] for i in order[n_test:]]
+            split["test"] += [files[i] for i in order[:n_test]]
+            split["train"] += [files[i] for i in order[n_test:]]
         if os.access(root, os.W_OK):  # a read-only copy goes without: inspection only
             split_file.write_text(json.dumps(split, indent=0))
     label = {w: y for y, w in enumerate(wnids)}
-    return [([str(folder / p) for p in split[part]], [label[p.split('/')[0]] for p in split[part]])
-            for part in ('train', 'test')]
+    return [([str(folder / p) for p in split[part]], [label[p.split("/")[0]] for p in split[part]])
+            for part in ("train", "test")]
+
 
 def _domainnet(root, download):
     """The official lists <domain>_<train|test>.txt of lines '<domain>/<class>/<file> <label>'."""
     parts = []
-    for part in ('train', 'test'):
+    for part in ("train", "test"):
         paths, labels = [], []
-        for listing in (root / f'{domain}_{part}.txt' for domain in DOMAINS):
+        for listing in (root / f"{domain}_{part}.txt" for domain in DOMAINS):
             raw = listing.read_bytes()
-            with _reading(listing, 'fetch it again'):
-                for line in raw.decode('utf-8').splitlines():
+            with _reading(listing, "fetch it again"):
+                for line in raw.decode("utf-8").splitlines():
                     path, label = line.rsplit(maxsplit=1)  # a ValueError unless 'path label'
                     paths.append(str(root / path))
                     labels.append(int(label))
@@ -163,14 +173,16 @@ def _domainnet(root, download):
     # every listed image, now rather than hours into training: ~2 s for DomainNet's 590k, once
     missing = next((p for paths, _ in parts for p in paths if not os.path.isfile(p)), None)
     if missing:
-        raise FileNotFoundError(f'{missing} is listed but missing')
+        raise FileNotFoundError(f"{missing} is listed but missing")
     return parts
+
 
 def _imagenet100(root, download):
     """Our class list: the wnids in imagenet100_classes.txt if there, else train/'s first 100."""
-    listed = root / 'imagenet100_classes.txt'
-    wnids = listed.read_text().split() if listed.is_file() else _ls(root / 'train', True)[:100]
-    return [_folder(root / part, wnids) for part in ('train', 'val')]
+    listed = root / "imagenet100_classes.txt"
+    wnids = listed.read_text().split() if listed.is_file() else _ls(root / "train", True)[:100]
+    return [_folder(root / part, wnids) for part in ("train", "val")]
+
 
 def _fashion_mnist(root, download):
     """The four idx files in root, gzipped or not (a missing one downloaded if download). idx:
@@ -180,20 +192,21 @@ def _fashion_mnist(root, download):
         if download and not path.is_file():
             download_url(FashionMNIST.mirrors[0] + path.name, str(root))
         b = path.read_bytes()
-        with _reading(path, 'delete it and fetch it again'):
-            b = gzip.decompress(b) if path.suffix == '.gz' else b
-            if b[:3] != b'\0\0\x08':
-                raise ValueError('not an idx file of uint8')
-            shape = struct.unpack(f'>{b[3]}I', b[4:4 + 4 * b[3]])
+        with _reading(path, "delete it and fetch it again"):
+            b = gzip.decompress(b) if path.suffix == ".gz" else b
+            if b[:3] != b"\0\0\x08":
+                raise ValueError("not an idx file of uint8")
+            shape = struct.unpack(f">{b[3]}I", b[4:4 + 4 * b[3]])
             arrays.append(np.frombuffer(bytearray(b), np.uint8, offset=4 + 4 * b[3]).reshape(shape))
     return [(arrays[0][:, None], arrays[1].tolist()), (arrays[2][:, None], arrays[3].tolist())]
+
 
 def _synthetic(img_size, seed, per_class=(24, 8)):
     """Per class a smooth random colour pattern; per image a shift of up to one 16 px patch and
     Gaussian noise: classes easy to tell apart, no two images equal."""
-    classes, gen = DATASETS['synthetic']['num_classes'], torch.Generator().manual_seed(seed)
+    classes, gen = DATASETS["synthetic"]["num_classes"], torch.Generator().manual_seed(seed)
     coarse = torch.rand(classes, 3, 4, 4, generator=gen)  # (C, 3, 4, 4), upsampled: smooth
-    templates = F.interpolate(coarse, size=(img_size, img_size), mode='bilinear')  # (C, 3, H, W)
+    templates = F.interpolate(coarse, size=(img_size, img_size), mode="bilinear")  # (C, 3, H, W)
     shift, parts = max(1, img_size // 16), []
     for n in per_class:
         labels = torch.arange(classes).repeat_interleave(n)  # (C*n,)
@@ -204,14 +217,16 @@ def _synthetic(img_size, seed, per_class=(24, 8)):
         parts.append(((imgs.clamp(0, 1) * 255).round().to(torch.uint8), labels.tolist()))
     return parts
 
+
 # a file-based set's loader, and what to put in --data-dir where it is missing
 _LOADERS = {
-    'cifar100': (_cifar100, f'cifar-100-python/ or its archive from {CIFAR100_URL}'),
-    'imagenet-r': (_imagenet_r, f'imagenet-r/ or imagenet-r.tar from {IMAGENET_R_URL}'),
-    'domainnet': (_domainnet, 'the six domain folders and lists from http://ai.bu.edu/M3SDA/'),
-    'imagenet100': (_imagenet100, 'ILSVRC-2012 (image-net.org) as train/<wnid>/, val/<wnid>/'),
-    'fashion-mnist': (_fashion_mnist, f'the four idx .gz files from {FashionMNIST.mirrors[0]} '
+    "cifar100": (_cifar100, f"cifar-100-python/ or its archive from {CIFAR100_URL}"),
+    "imagenet-r": (_imagenet_r, f"imagenet-r/ or imagenet-r.tar from {IMAGENET_R_URL}"),
+    "domainnet": (_domainnet, "the six domain folders and lists from http://ai.bu.edu/M3SDA/"),
+    "imagenet100": (_imagenet100, "ILSVRC-2012 (image-net.org) as train/<wnid>/, val/<wnid>/"),
+    "fashion-mnist": (_fashion_mnist, f"the four idx .gz files from {FashionMNIST.mirrors[0]} "
                       "(or Debian's dataset-fashion-mnist: /usr/share/datasets/fashion-mnist)")}
+
 
 def _transforms(name, img_size, mean, std):
     """((train, test) transforms, (train, test) `Batched` specs of an in-memory set, else None)
@@ -220,15 +235,16 @@ def _transforms(name, img_size, mean, std):
     with no random crop, which can cut away much of a small centred item."""
     norm, square = T.Normalize(mean, std), [T.Resize((img_size, img_size))]
     plain = Batched(img_size, False, False, mean, std)  # no crop, no flip
-    if name == 'synthetic':
+    if name == "synthetic":
         return (norm, norm), (plain, plain)
     crop = [T.Resize(round(256 * img_size / 224)), T.CenterCrop(img_size)]
-    test = square if name in ('cifar100', 'fashion-mnist') else crop
-    train = square if name == 'fashion-mnist' else [T.RandomResizedCrop(img_size)]
+    test = square if name in ("cifar100", "fashion-mnist") else crop
+    train = square if name == "fashion-mnist" else [T.RandomResizedCrop(img_size)]
     tail = [T.ToTensor(), norm]
     tfs = T.Compose(train + [T.RandomHorizontalFlip()] + tail), T.Compose(test + tail)
-    specs = Batched(img_size, name == 'cifar100', True, mean, std), plain  # cropped: CIFAR only
-    return tfs, specs if name in ('cifar100', 'fashion-mnist') else (None, None)
+    specs = Batched(img_size, name == "cifar100", True, mean, std), plain  # cropped: CIFAR only
+    return tfs, specs if name in ("cifar100", "fashion-mnist") else (None, None)
+
 
 def thin(splits, limit, seed):
     """splits with at most `limit` training images per class (None: all): the first of each class
@@ -246,38 +262,41 @@ def thin(splits, limit, seed):
                          for ds in (splits.train, splits.train_eval))
     return splits._replace(train=train, train_eval=train_eval)
 
+
 def load_dataset(name, data_dir, img_size, mean, std, seed=0, download=True):
     """Splits of a data set in DATASETS; seed: the synthetic set's."""
     if name not in DATASETS:
         raise DataError(f'unknown dataset {name!r}: choose one of {", ".join(DATASETS)}.')
-    classes = DATASETS[name]['num_classes']
-    if name == 'synthetic':
+    classes = DATASETS[name]["num_classes"]
+    if name == "synthetic":
         (train, train_y), (test, test_y) = _synthetic(img_size, seed)
     else:
         root, (loader, source) = Path(data_dir).expanduser().resolve(), _LOADERS[name]
         if root.exists() and not root.is_dir():
-            raise DataError(f'--data-dir {root} is a file: pass the folder that holds {name}, or '
-                            'is to receive it.')
-        fix = f'put {source} there and pass --data-dir {shlex.quote(str(root))}'
-        with _reading(f'{name} in {root}', fix):
+            raise DataError(f"--data-dir {root} is a file: pass the folder that holds {name}, or "
+                            "is to receive it.")
+        fix = f"put {source} there and pass --data-dir {shlex.quote(str(root))}"
+        with _reading(f"{name} in {root}", fix):
             (train, train_y), (test, test_y) = loader(root, download)
             if len(train) != len(train_y) or len(test) != len(test_y):
-                raise ValueError('its numbers of images and labels differ')
+                raise ValueError("its numbers of images and labels differ")
             if not set(train_y) == set(test_y) == set(range(classes)):
-                raise ValueError(f'{len(set(train_y))} training and {len(set(test_y))} test '
-                                 f'classes, not {classes}: incomplete, or another data set')
+                raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
+                                 f"classes, not {classes}: incomplete, or another data set")
     (train_tf, test_tf), (train_b, test_b) = _transforms(name, img_size, mean, std)
     return Splits(_Images(train, train_y, train_tf, train_b),
                   _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),
                   classes)
 
+
 def task_classes(num_classes, tasks):
     """T lists of contiguous class ids in natural order (InfLoRA's protocol)."""
     per = num_classes // max(tasks, 1)
     if per < 2 or per * tasks != num_classes:  # a head of one class: loss 0, accuracy 100%
-        raise DataError(f'--tasks {tasks} does not split {num_classes} classes into equal tasks of '
-                        f'2 or more: pick a divisor of {num_classes} up to {num_classes // 2}.')
+        raise DataError(f"--tasks {tasks} does not split {num_classes} classes into equal tasks of "
+                        f"2 or more: pick a divisor of {num_classes} up to {num_classes // 2}.")
     return [list(range(t * per, (t + 1) * per)) for t in range(tasks)]
+
 
 def subset(ds, classes):
     """ds restricted to the given classes, keeping `.targets` (global class ids)."""
@@ -285,6 +304,7 @@ def subset(ds, classes):
     part = Subset(ds, [i for i, y in enumerate(ds.targets) if y in keep])
     part.targets = [ds.targets[i] for i in part.indices]
     return part
+
 
 class _Seeded(Dataset):
     """ds and its own sampler: each epoch, one generator in the main process draws the order and a
@@ -306,22 +326,25 @@ class _Seeded(Dataset):
             torch.manual_seed(item[1])
             return self.ds[item[0]]
 
+
 def make_loader(ds, batch_size, train, workers, seed, device=None):
     """Batches of ds (shuffled when train) whose order and augmentations come from seed alone, not
     from --workers: an in-memory set's made on device by DeviceLoader (the CPU too, by default:
     CIFAR-100 at 224 px gave ~3,600 images/s there on 2 threads, PIL ~1,000 in 2 workers), a
     file-based set's by a DataLoader with `workers` processes."""
-    if getattr(ds.dataset if isinstance(ds, Subset) else ds, 'batched', None) is not None:
-        return DeviceLoader(ds, batch_size, train, seed, torch.device(device or 'cpu'))
+    if getattr(ds.dataset if isinstance(ds, Subset) else ds, "batched", None) is not None:
+        return DeviceLoader(ds, batch_size, train, seed, torch.device(device or "cpu"))
     seeded = _Seeded(ds, train, seed)
     return DataLoader(seeded, batch_size=batch_size, sampler=seeded, num_workers=workers,
                       pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
                       generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
 
+
 # ---- The device-resident pipeline (in-memory sets): uint8 images on the device, each batch
 # indexed, normalised, cropped, flipped and resized there, from draws on the CPU. A spec: a random
 # crop as RandomResizedCrop's (crop), a flip with p = 1/2 (flip), the resize to size x size.
-Batched = namedtuple('Batched', 'size crop flip mean std')
+Batched = namedtuple("Batched", "size crop flip mean std")
+
 
 def crop_boxes(gen, n, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), attempts=10):
     """(n, 4) int64 boxes (top, left, h, w) from gen, each drawn as torchvision's
@@ -343,6 +366,7 @@ def crop_boxes(gen, n, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), a
     offsets = torch.where(found[:, None], offsets, (room - 1) // 2)
     return torch.cat([offsets, h[:, None], w[:, None]], 1)
 
+
 def _weights(start, length, size, out):
     """(B, out, size): torch's antialiased bilinear resize of each window [start, start + length)
     of `size` pixels to `out` pixels, as rows of weights (a triangle, widened to downsample)."""
@@ -353,6 +377,7 @@ def _weights(start, length, size, out):
     w = w * ((x > start[:, None, None]) & (x < (start + length)[:, None, None]))  # in the window
     return w / w.sum(2, keepdim=True)
 
+
 def resized_crops(x, boxes, size, flips):
     """(B, C, size, size): each x[b] (C, H, W) float cropped to boxes[b] (top, left, h, w),
     resized as torchvision's resized_crop (bilinear, antialias), and mirrored where flips[b]."""
@@ -361,6 +386,7 @@ def resized_crops(x, boxes, size, flips):
     cols = _weights(left, w, x.shape[3], size)  # (B, size, W)
     cols = torch.where(flips[:, None, None], cols.flip(1), cols)  # a flip reverses output columns
     return rows[:, None] @ x @ cols[:, None].transpose(2, 3)
+
 
 class DeviceLoader:
     """len() batches of (images (B, 3, S, S) float32, labels (B,) int64) on device; one CPU

@@ -741,6 +741,7 @@ def fmt(value, spec=".2f"):
     """A number for a table, or '-' where it is undefined."""
     return "-" if value is None else format(value, spec)
 
+
 # ==== 4. The program: flags, the run folder and resume, results, plots, --benchmark, --reproduce ==
 # --method NAME: its flags, and its name in the paper's tables.
 METHODS = {"janus": ("", "Janus-LoRA"),
