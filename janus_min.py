@@ -752,9 +752,7 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
 SWITCHES = ("oe", "gr", "dml", "rectify", "memory", "lora_a")  # what tells the methods apart
 RESUME_FREE = ("device", "workers", "compile", "seeds")  # what a resume may change
-# What may differ between two configs of one run: the above, its folder, and the precision,
-# which follows the device (fp32 on a CPU).
-RUN_FREE = RESUME_FREE + ("resume", "out", "precision")
+RUN_FREE = RESUME_FREE + ("resume", "out")  # what may differ between two configs of one run
 EXAMPLES = """examples:
   python janus_min.py --dataset synthetic --model vit_tiny --weights none   # a first run
   python janus_min.py --dataset cifar100 --seeds 0 1 2 3 4 --out runs/cifar
@@ -821,7 +819,7 @@ def configure(argv):
             raise ConfigError(f"--resume continues a run with its own flags: drop {fixed} (only "
                               "--device, --workers, --compile and more --seeds may change)")
         saved = read_json(os.path.join(typed["resume"], "config.json"),
-                          "start a run with --out")["config"]
+                          "restore it, or start the run again with another --out")["config"]
         seeds = saved["seeds"]
         if not set(typed.get("seeds", seeds)) >= set(seeds):
             raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, seeds))}; give "
@@ -837,10 +835,19 @@ def configure(argv):
     cfg = replace(cfg, **defaults, device=device, seeds=list(cfg.seeds),
                   gpm_threshold=list(cfg.gpm_threshold or gpm),
                   workers=os.cpu_count() if cfg.workers is None else cfg.workers,
-                  precision="fp32" if device == "cpu" else cfg.precision)  # autocast: CUDA's
+                  **absolute_paths(cfg))
     check(cfg)
     notes(cfg, typed)
     return cfg, typed
+
+
+def absolute_paths(cfg):
+    """--data-dir and a --weights file as absolute paths, so that a resume finds them from any
+    folder."""
+    paths = {"data_dir": os.path.abspath(os.path.expanduser(cfg.data_dir))}
+    if os.path.isfile(cfg.weights):
+        paths["weights"] = os.path.abspath(cfg.weights)
+    return paths
 
 
 def check(cfg):
@@ -862,7 +869,8 @@ def check(cfg):
          "must be 1 or more"),
         *[(name, 1 <= getattr(cfg, name) <= width, f"must lie in 1..{width}, the width of "
           f"{cfg.model}") for name in ("rank", "k")],
-        ("img_size", cfg.img_size % cfg.patch_size == 0, "must be a multiple of --patch-size"),
+        ("img_size", cfg.patch_size < 1 or cfg.img_size % cfg.patch_size == 0,  # < 1: refused
+         "must be a multiple of --patch-size"),
         ("gpm_threshold", 0 < first <= last <= 1, "must be two numbers, 0 < first <= last <= 1"),
         ("lora_a", cfg.lora_a == "trained" or not cfg.gr,
          "freezes A, which GR trains: add --no-gr"),
@@ -935,9 +943,12 @@ def run(cfg, typed):
     runs, state = previous(cfg, weights) if cfg.resume else ([], None)
     results = {"config": asdict(cfg), "environment": environment(cfg), "runs": runs}
     print(f"{cfg.dataset}: {len(splits.train)} training images, {cfg.tasks} tasks; "
-          f"{describe(asdict(cfg))}; {cfg.device} {cfg.precision}; out {q(cfg.out)}")
+          f"{describe(asdict(cfg))}; {results['environment']['precision']}; out {q(cfg.out)}")
     save = partial(save_checkpoint, cfg=cfg, weights=weights)
-    for seed in [s for s in cfg.seeds if s not in {r["seed"] for r in runs}]:
+    seeds = [s for s in cfg.seeds if s not in {r["seed"] for r in runs}]
+    if state:  # the interrupted seed first: a new seed's checkpoint would replace its own
+        seeds.sort(key=lambda s: s != state["record"]["seed"])
+    for seed in seeds:
         learner, record = start_learner(cfg, seed, backbone), new_record(seed)
         if state and state["record"]["seed"] == seed:  # interrupted: after its last finished task
             restore(learner, record, state, cfg.device)
@@ -958,17 +969,25 @@ def claim(out, config):
     if stray and not os.path.exists(os.path.join(out, "config.json")):
         raise ConfigError(f"--out {q(out)} holds {' and '.join(stray)} of another run: choose "
                           "another --out")
+    make_folder(out)
     try:
-        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "x") as f:
             json.dump(config, f, indent=1)
     except FileExistsError:
-        if os.path.isdir(out):
-            raise ConfigError(f"{q(out)} holds a run: continue it with --resume {q(out)}, or "
-                              "choose another --out") from None
+        raise ConfigError(f"{q(out)} holds a run: continue it with --resume {q(out)}, or choose "
+                          "another --out") from None
+
+
+def make_folder(out):
+    """The folder --out, made if need be; a file in its way, or no right to write, is bad input."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except FileExistsError:
         raise ConfigError(f"--out {q(out)}: a file is in the way of this folder") from None
     except OSError as e:
-        raise ConfigError(f"--out {q(out)}: cannot write a run there ({e.strerror})") from None
+        raise ConfigError(f"--out {q(out)}: cannot write there ({e.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"--out {q(out)}: cannot write there (no permission)")
 
 
 def load_data_and_model(cfg):
@@ -1072,10 +1091,13 @@ def write_json(path, obj):
 
 
 def environment(cfg):
-    """Where results.json's numbers come from."""
-    device = (torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda")
-              else f"cpu ({torch.get_num_threads()} threads)")
-    return {"torch": torch.__version__, "torchvision": torchvision.__version__, "device": device}
+    """Where results.json's numbers come from, and the precision they ran in: bf16 autocast is
+    CUDA's, so a CPU runs in fp32 whatever --precision says."""
+    cuda = cfg.device.startswith("cuda")
+    cpu = f"cpu ({torch.get_num_threads()} threads)"
+    device = torch.cuda.get_device_name(cfg.device) if cuda else cpu
+    return {"torch": torch.__version__, "torchvision": torchvision.__version__, "device": device,
+            "precision": f"{cfg.device} {cfg.precision if cuda else 'fp32'}"}
 
 
 # ---- Results: results.json's entries and the summary ---------------------------------------------
@@ -1214,6 +1236,8 @@ BENCHMARKED = {"plain": "--method finetune", "janus-grad": "--method janus",
 def benchmark(cfg):
     """Plain LoRA and Janus-LoRA (GR on the gradients, and ours on Adam's step), whatever --method
     says: a step of each in turn on one random batch, and the median of the per-round ratios."""
+    out = cfg.out or os.path.join("runs", f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
+    make_folder(out)  # before the timing: a bad --out must not lose it
     cuda = cfg.device.startswith("cuda")
     sync = torch.get_device_module(cfg.device).synchronize  # CUDA's kernels run asynchronously
     classes = data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
@@ -1245,16 +1269,15 @@ def benchmark(cfg):
                          images_per_s=1e3 * cfg.batch_size / statistics.median(t),
                          x_plain=statistics.median(a / p for a, p in zip(t, ms["plain"])))
               for name, t in ms.items()}
+    env = environment(cfg)
     print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns a block, "
-          f"{cfg.device} {cfg.precision}, compile {cfg.compile}, {cfg.steps} rounds:\n"
+          f"{env['precision']}, compile {cfg.compile}, {cfg.steps} rounds:\n"
           "variant        ms/step  images/s  peak MiB  x plain (median)")
     for name, r in report.items():
         print(f"{name:14s} {r['ms_per_step']:7.1f} {r['images_per_s']:9.1f} "
               f"{fmt(r['peak_mb'], '9.0f'):>9s} {r['x_plain']:8.3f}")
-    out = cfg.out or os.path.join("runs", f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "benchmark.json"),
-               {"config": asdict(cfg), "environment": environment(cfg), "variants": report})
+               {"config": asdict(cfg), "environment": env, "variants": report})
     print(f"wrote {q(os.path.join(out, 'benchmark.json'))}")
     return 0
 

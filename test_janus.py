@@ -1384,7 +1384,7 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
 
 # ========= janus_min.py, the protocol and the program: runs, the run folder, bad input ==========
 TINY = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "--img-size", "32",
-        "--patch-size", "8", "--tasks", "3", "--epochs", "2", "--batch-size", "8", "--k", "8",
+        "--patch-size", "8", "--tasks", "3", "--epochs", "2", "--batch-size", "16", "--k", "8",
         "--workers", "0", "--lr", "5e-3", "--device", "cpu"]  # the CPU: its numbers are compared
 
 
@@ -1400,6 +1400,19 @@ SHORT = _without(_without(_without(TINY, "--tasks"), "--epochs"), "--batch-size"
 
 def _results(folder):
     return json.loads((folder / "results.json").read_text())
+
+
+@contextlib.contextmanager
+def ctrl_c_at_task(t):  # Ctrl-C as task t (from 1) starts: after the checkpoint of task t - 1
+    real = jm.start_task
+
+    def start_task(learner, index, *args):
+        if index + 1 == t:
+            raise KeyboardInterrupt
+        return real(learner, index, *args)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jm, "start_task", start_task)
+        yield
 
 
 @pytest.fixture
@@ -1432,7 +1445,7 @@ def test_end_to_end_results_lr_memory_and_learning(tiny_run):
     res = tiny_run["res"]
     assert tiny_run["code"] == 0 and set(res) == {"config", "environment", "runs", "summary"}
     assert res["environment"]["torch"] == torch.__version__ and res["config"]["out"]
-    assert res["config"]["precision"] == "fp32"  # what ran: autocast is CUDA's only
+    assert res["environment"]["precision"] == "cpu fp32"  # what ran: autocast is CUDA's only
     r, A = res["runs"][0], res["runs"][0]["acc_matrix"]
     assert all(A[t][i] is None for t in range(3) for i in range(t + 1, 3))
     assert {k: r[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(jm.metrics(A))
@@ -1500,29 +1513,24 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch, no_plots):
 
 def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeypatch, capsys,
                                                      no_plots):
-    """Ctrl-C in task 3, then --resume DIR alone (CUDA visible): the uninterrupted run's numbers,
-    bit for bit; the run's device kept."""
-    calls, real_evaluate = [], jm.evaluate
-
-    def interrupted(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_evaluate(*args)
-    monkeypatch.setattr(jm, "evaluate", interrupted)
-    assert jm.main(TINY + ["--out", str(tmp_path / "b")]) == 130
-    monkeypatch.setattr(jm, "evaluate", real_evaluate)
+    """Ctrl-C as task 3 starts, then --resume DIR alone (CUDA visible): the uninterrupted run's numbers,
+    bit for bit; the run's device kept, and its precision for a later resume on CUDA."""
+    with ctrl_c_at_task(3):
+        assert jm.main(TINY + ["--out", str(tmp_path / "b")]) == 130
     assert f"continue with: python janus_min.py --resume {tmp_path}/b" in capsys.readouterr().err
     assert not (tmp_path / "b" / "results.json").exists()
     with monkeypatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: True)
         mp.setattr(torch.cuda, "device_count", lambda: 1)
         assert jm.configure(["--resume", str(tmp_path / "b")])[0].device == "cpu"
+        assert jm.configure(["--resume", str(tmp_path / "b"), "--device", "cuda"])[0].precision \
+            == "bf16"  # the default's: a CPU runs in fp32 without changing the run
     assert jm.main(["--resume", str(tmp_path / "b")]) == 0
     assert "seed 0: resumed after task 2" in capsys.readouterr().out
     a, b = tiny_run["res"]["runs"][0], _results(tmp_path / "b")["runs"][0]
     for key in ("acc_matrix", "task_aware", "violation", "interference", "geometry"):
         assert a[key] == b[key]
+    assert _results(tmp_path / "b")["environment"]["precision"] == "cpu fp32"
 
 
 def test_a_run_folder_is_claimed_once_and_resumed_with_its_own_flags(
@@ -1573,7 +1581,9 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
     saved = json.loads((foreign / "config.json").read_text())
     saved["config"]["k"] = 16
     (foreign / "config.json").write_text(json.dumps(saved))
-    for folder, said in ((config, "config.json is damaged"),
+    for folder, said in ((config, "config.json is damaged (Expecting value: line 1 column 11 "
+                                  "(char 10)): restore it, or start the run again with another "
+                                  "--out"),
                          (damaged, "checkpoint.pt cannot be read (RuntimeError): delete it"),
                          (results, "results.json is damaged"),
                          (foreign, "checkpoint.pt belongs to another run (its --k differ")):
@@ -1582,15 +1592,10 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
         assert err.count("\n") == 1 and said in err, err
     weights = tmp_path / "vit.pt"  # a run from a backbone file, interrupted after task 1
     torch.save(vit.PRESETS["vit_tiny"](img_size=32, patch_size=8).state_dict(), weights)
-    real_evaluate = jm.evaluate
-
-    def evaluate(model, heads, *args):  # Ctrl-C in task 2, after task 1's checkpoint
-        if len(heads) == 2:
-            raise KeyboardInterrupt
-        return real_evaluate(model, heads, *args)
-    monkeypatch.setattr(jm, "evaluate", evaluate)
-    argv = _without(SHORT, "--weights") + ["--weights", str(weights), "--out", str(tmp_path / "w")]
-    assert jm.main(argv) == 130
+    monkeypatch.chdir(tmp_path)  # the weights named by a relative path; the resume from elsewhere
+    argv = _without(SHORT, "--weights") + ["--weights", "vit.pt", "--out", str(tmp_path / "w")]
+    with ctrl_c_at_task(2):
+        assert jm.main(argv) == 130
     monkeypatch.undo()
     sd = torch.load(weights, weights_only=True)
     torch.save({**sd, "head.weight": torch.zeros(3, 192)}, weights)  # another file of that name
@@ -1598,22 +1603,25 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
     assert "the run started from the backbone" in capsys.readouterr().err
 
 
-def test_a_seed_added_on_resume_thins_by_its_own_seed_and_the_std_is_the_sample_std(
-        tmp_path, monkeypatch):
-    """A finished run resumed with one more seed runs it alone; --limit-per-class draws each
-    seed's own images; the summary's std over the seeds is the sample std."""
+def test_a_seed_added_on_resume_runs_after_the_interrupted_one_and_the_std_is_the_sample_std(
+        tmp_path, monkeypatch, capsys):
+    """A run interrupted in seed 1, resumed with seed 0 added before it: seed 1 goes on first
+    (seed 0's checkpoint would replace its own), then seed 0; --limit-per-class draws each seed's
+    own images; the summary's std over the seeds is the sample std."""
     thinned, real_thin = [], data.thin
 
     def thin(splits, limit, seed):
         thinned.append((limit, seed))
         return real_thin(splits, limit, seed)
     monkeypatch.setattr(data, "thin", thin)
-    assert jm.main(SHORT + ["--out", str(tmp_path)]) == 0
+    with ctrl_c_at_task(2):
+        assert jm.main(SHORT + ["--seeds", "1", "--out", str(tmp_path)]) == 130
     assert jm.main(["--resume", str(tmp_path), "--seeds", "0", "1"]) == 0
-    assert thinned == [(8, 0), (8, 1)]
+    assert "seed 1: resumed after task 1" in capsys.readouterr().out
+    assert thinned == [(8, 1), (8, 1), (8, 0)]
     assert json.loads((tmp_path / "config.json").read_text())["config"]["seeds"] == [0, 1]
     res = _results(tmp_path)
-    assert [r["seed"] for r in res["runs"]] == [0, 1]
+    assert [r["seed"] for r in res["runs"]] == [1, 0]
     for key in ("ACC", "MAA"):
         values = [r[key] for r in res["runs"]]
         assert res["summary"][key] == pytest.approx({"mean": statistics.fmean(values),
@@ -1651,6 +1659,7 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "rank": (TINY + ["--rank", "500"], "--rank 500: must lie in 1..192"),
     "tasks": (TINY + ["--tasks", "5"], "--tasks 5 does not split 12 classes"),
     "img": (TINY + ["--img-size", "30"], "--img-size 30: must be a multiple of --patch-size"),
+    "patch": (TINY + ["--patch-size", "0"], "--patch-size 0: must be 1 or more"),
     "gpm": (TINY + ["--gpm-threshold", "0.9", "0.5"], "0 < first <= last <= 1"),
     "inflora": (TINY + ["--lora-a", "inflora"], "add --no-gr"),
     "seeds": (TINY + ["--seeds", "1", "1"], "--seeds 1 1: must name each seed once"),
@@ -1670,6 +1679,8 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "data-dir": (_without(CKPT, "--tasks") + ["--dataset", "cifar100", "--data-dir",
                                               "{tmp}/afile"], "--data-dir {tmp}/afile is a file"),
     "out": (TINY + ["--out", "{tmp}/afile"], "--out {tmp}/afile: a file is in the way"),
+    "benchmark-out": (TINY + ["--benchmark", "--out", "{tmp}/afile"],  # before the timing
+                      "--out {tmp}/afile: a file is in the way"),
     "out-under": (TINY + ["--out", "{tmp}/afile/run"], "--out {tmp}/afile/run: cannot write")}
 
 
