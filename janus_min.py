@@ -484,8 +484,9 @@ def new_record(seed):
 
 
 def run_seed(learner, record, splits, cfg, after_task):
-    """One seed: every task not finished yet, in turn, measured into `record`; after_task(learner,
-    record) is the program's (it saves them)."""
+    """One seed: every task not finished yet, in turn, measured into `record`: after each task, a
+    row of each accuracy matrix, from which `metrics` gives ACC, MAA and BWT when the seed is done;
+    and the paper's analyses. after_task(learner, record) is the program's (it saves them)."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     for t in range(len(record["acc_matrix"]), cfg.tasks):
         start = time.time()  # a task's time: training and the method's own passes, not the tests

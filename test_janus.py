@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import gzip
+import importlib.util
 import io
 import json
 import math
@@ -1627,7 +1628,8 @@ def test_a_seed_added_on_resume_runs_after_the_interrupted_one_and_the_std_is_th
         assert res["summary"][key] == pytest.approx({"mean": statistics.fmean(values),
                                                      "std": statistics.stdev(values)})
     assert "sample" in res["summary"]["std"]
-    assert (tmp_path / "trajectory.png").exists()
+    if importlib.util.find_spec("matplotlib"):  # the plots redrawn with both seeds
+        assert (tmp_path / "trajectory.png").exists()
 
 
 def test_progress_comes_every_30_s_and_a_nan_loss_stops_the_run(tmp_path, monkeypatch, capsys):
