@@ -1514,8 +1514,8 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch, no_plots):
 
 def test_resume_alone_gives_the_uninterrupted_result(tiny_run, tmp_path, monkeypatch, capsys,
                                                      no_plots):
-    """Ctrl-C as task 3 starts, then --resume DIR alone (CUDA visible): the uninterrupted run's numbers,
-    bit for bit; the run's device kept, and its precision for a later resume on CUDA."""
+    """Ctrl-C as task 3 starts, then --resume DIR alone (CUDA visible): the uninterrupted run's
+    numbers, bit for bit; the run's device kept, and its precision for a later resume on CUDA."""
     with ctrl_c_at_task(3):
         assert jm.main(TINY + ["--out", str(tmp_path / "b")]) == 130
     assert f"continue with: python janus_min.py --resume {tmp_path}/b" in capsys.readouterr().err
