@@ -846,7 +846,7 @@ def absolute_paths(cfg):
     """--data-dir and a --weights file as absolute paths, so that a resume finds them from any
     folder."""
     paths = {"data_dir": os.path.abspath(os.path.expanduser(cfg.data_dir))}
-    if os.path.isfile(cfg.weights):
+    if cfg.weights not in (*vit.URLS, "none") and os.path.isfile(cfg.weights):  # a name wins
         paths["weights"] = os.path.abspath(cfg.weights)
     return paths
 
@@ -896,15 +896,15 @@ def check(cfg):
 def notes(cfg, typed):
     """A note for the flags typed that have no effect with the others, and for a memory that will
     fill before the last task."""
-    moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,
-            "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
-            "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml,
-            "precision": cfg.device == "cpu", "steps": not cfg.benchmark}
     if cfg.benchmark:  # its variants set the method; it trains on a random batch, one task
         moot = {"method oe gr dml rectify memory lora_a gpm_threshold epochs schedule seeds "
                 "weights input_range data_dir workers limit_per_class reproduce row dry_run "
-                "resume": True,
-                "precision": cfg.device == "cpu"}
+                "resume": True}
+    else:
+        moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,
+                "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
+                "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml, "steps": True}
+    moot["precision"] = cfg.device == "cpu"  # bf16 autocast is CUDA's
     moot = {name for names, off in moot.items() if off for name in names.split()} & set(typed)
     if cfg.reproduce:  # a flag that each row sets is the row's
         rows = REPRODUCE[cfg.reproduce][1]
