@@ -7,6 +7,32 @@ variant of GR and the baselines; (3) the protocol, from a learner's start to a t
 the paper's analyses; (4) the program around them. Parts 1-3 use nothing defined in part 4.
 Equations are numbered as in the paper's LaTeX source.
 
+One run calls, in order: main -> run -> run_seed, which for each task calls start_task, then
+train_task (a loop of train_step, the method's step), end_task and evaluate. To read the method,
+go straight to train_step, the first function of part 1.
+
+Where the code reads the paper differently, or fills a silence (the README says why):
+- M, not V: the safe gradient projects with M, the finished tasks' OE bases; a task's V joins M
+  at its end (train_step, protected, OnlineSubspace.merge, end_task). --memory oe-rolling projects
+  with V itself, as the paper's words read literally.
+- OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step follows
+  Adam's, on the same batch (OnlineSubspace.update, train_step).
+- OE's step, Eq. (9), is preconditioned by S^-1, S = V^T X_p^T X_p V, and eta decays as
+  5 / (5 + t) within a task; Eq. (10)'s R has a positive diagonal (OnlineSubspace.update, qr_q).
+- GR's ridge delta is relative to the mean eigenvalue of B^T B, or of A A^T (ridge).
+- Eq. (4) as printed has the wrong shapes and no s: the chain rule gives s B^T G and s G A^T,
+  and GR's Eqs. (6)-(7) take them without s (rectify_gradients_).
+- DML's current prototypes are the batch's unit class means, in the graph; its hinge is averaged
+  over the batch and the old prototypes, the finished classes' mean features (dml_loss, end_task).
+- LoRA's life: s = 1; each task a fresh pair, A off M and B = 0, merged into W0 at the task's end
+  (LoRALinear.reset_, LoRALinear.merge_).
+- Under bf16 autocast the projection, GR and OE stay in float32 (LoRALinear.forward,
+  OnlineSubspace.update).
+- Ours beside the paper's: GR on Adam's step, --rectify update (rectified_adam_step_); the
+  task-aware accuracy (evaluate).
+- The protocol is the InfLoRA codebase's: inputs in [0, 1] (Config.input_range), its lr schedule
+  (lr_factor), GPM's thresholds (end_task, gpm_extend).
+
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
 ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024), on which the paper
 ran; GPM: Saha et al., ICLR 2021.
@@ -185,8 +211,11 @@ class LoRALinear(nn.Linear):
             return out + self.scale * F.linear(F.linear(x, self.A), self.B)
         # Theorem 3.1 through autograd. Split A = A_out + A_in, with A_in = A M M^T its part in
         # span(M), and hold A_in, and B where it multiplies A_in, constant. The output and dL/dx
-        # do not change. With G = dL/dW, A's gradient flows through A_out = A (I - M M^T) alone:
-        # dL/dA = s B^T G (I - M M^T) = s B^T G_safe; and dL/dB = s G A_out^T = s G_safe A^T.
+        # do not change. With G = dL/dW and P = I - M M^T, A's gradient flows through A_out = A P
+        # alone, so dL/dA = (s B^T G) P = s B^T G_safe; B's flows through its copy times A_out, so
+        # dL/dB = s G (A P)^T = s (G P) A^T = s G_safe A^T, as P is symmetric. The test
+        # test_lora_forward_gives_the_safe_gradient_of_theorem_3_1 checks both against the dense
+        # G (I - M M^T).
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dtype = torch.promote_types(self.A.dtype, torch.float32)
             A, M = self.A.to(dtype), self.M.to(dtype)
@@ -244,8 +273,8 @@ def rectify_gradients_(layers, delta):
     A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
     s = layers[0].scale
-    # Autograd left the chain rule of G_safe (Eq. (4) applied to G_safe, with s): s B^T G_safe and
-    # s G_safe A^T. GR's Eqs. (6)-(7) take them without s.
+    # Autograd left the chain rule of G_safe: s B^T G_safe and s G_safe A^T. Eq. (4) as printed,
+    # (dW)^T B and A^T dW, has the shapes wrong and no s; GR's Eqs. (6)-(7) take these without s.
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
@@ -314,8 +343,9 @@ class OnlineSubspace:
         S = ridge(torch.stack(S), 1e-6)  # invertible even when X = 0
         grad = -(C - V @ (V.mT @ C))  # the gradient of Eq. (8) at an orthonormal V
         grad = spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
-        # Ours: eta decays as 5 / (5 + t), which averages the batches' noise; at eta = 1 the step
-        # is one of subspace iteration, V <- X_p^T X_p V S^-1.
+        # Ours: eta decays as 5 / (5 + t), which averages the batches' noise. At eta = 1 the step
+        # is one of subspace iteration: S = V^T C, so V - grad = C S^-1 = X_p^T X_p V S^-1, whose
+        # Q spans X_p^T X_p V (test_oe_at_eta_1_is_one_step_of_subspace_iteration).
         lr = self.lr * self.decay_steps / (self.decay_steps + self.t)
         V_tilde = V - lr * grad  # Eq. (9), its step preconditioned by S^-1 (ours)
         Q = qr_q(V_tilde)  # Eq. (10): V <- Q of V_tilde = QR; ours: R's diagonal > 0, no flips

@@ -962,6 +962,24 @@ def test_oe_follows_its_float64_oracle_on_bf16_activations():
     assert float((M.T.float() @ sub.V[0]).abs().max()) < 1e-6
 
 
+def test_oe_at_eta_1_is_one_step_of_subspace_iteration():
+    """A task's first OE step (eta = 1) spans X_p^T X_p V, off M; a later, smaller step does not."""
+    d, k = 32, 4
+    Q, sd, g = _planted(d, k, gap=4.0, seed=5)
+    M = orthonormal(d, 6, dtype=torch.float32, gen=g)
+    X = (torch.randn(200, d, generator=g) * sd) @ Q.T
+    P = torch.eye(d) - M @ M.T
+    sub = one_block_oe(d, k)
+    sub.V = jm.fresh_basis(M[None], k)
+    for t in range(2):
+        V = sub.V[0].double()
+        target = torch.linalg.qr(P.double() @ X.double().T @ X.double() @ V).Q  # one iteration
+        oe_step(sub, X, M)
+        outside = sub.V[0].double() - target @ (target.T @ sub.V[0].double())  # off the target
+        sin = float(torch.linalg.matrix_norm(outside, 2))  # the sine of the largest angle
+        assert sin < 1e-5 if t == 0 else sin > 1e-2  # t = 1: eta = 5/6, short of the iteration
+
+
 def _planted(d, k, gap, seed):
     g = torch.Generator().manual_seed(seed)
     Q = orthonormal(d, d, dtype=torch.float32, gen=g)
