@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms as T
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -307,24 +307,31 @@ def subset(ds, classes):
 
 
 class _Seeded(Dataset):
-    """ds and its own sampler: each epoch, one generator in the main process draws the order and a
-    seed per sample, ds[i] is made under its seed (fork_rng: the run's generator stays)."""
+    """ds, its item (i, seed) made as ds[i] under that seed (fork_rng: the run's generator stays).
+    Plain data, which a worker process receives under any start method (fork, spawn, forkserver)."""
 
-    def __init__(self, ds, shuffle, seed):
-        self.ds, self.shuffle, self.gen = ds, shuffle, torch.Generator().manual_seed(seed)
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __iter__(self):
-        n = len(self.ds)
-        order = torch.randperm(n, generator=self.gen) if self.shuffle else torch.arange(n)
-        return zip(order.tolist(), torch.randint(0, 2**62, (n,), generator=self.gen).tolist())
+    def __init__(self, ds):
+        self.ds = ds
 
     def __getitem__(self, item):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(item[1])
             return self.ds[item[0]]
+
+
+class _Draws(Sampler):
+    """Each epoch's (i, seed) pairs for _Seeded, drawn in the main process by one generator: the
+    order (shuffled when shuffle) and a seed per sample."""
+
+    def __init__(self, n, shuffle, seed):
+        self.n, self.shuffle, self.gen = n, shuffle, torch.Generator().manual_seed(seed)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.gen) if self.shuffle else torch.arange(self.n)
+        return zip(order.tolist(), torch.randint(0, 2**62, (self.n,), generator=self.gen).tolist())
 
 
 def make_loader(ds, batch_size, train, workers, seed, device=None):
@@ -334,9 +341,9 @@ def make_loader(ds, batch_size, train, workers, seed, device=None):
     file-based set's by a DataLoader with `workers` processes."""
     if getattr(ds.dataset if isinstance(ds, Subset) else ds, "batched", None) is not None:
         return DeviceLoader(ds, batch_size, train, seed, torch.device(device or "cpu"))
-    seeded = _Seeded(ds, train, seed)
-    return DataLoader(seeded, batch_size=batch_size, sampler=seeded, num_workers=workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+    return DataLoader(_Seeded(ds), batch_size=batch_size, sampler=_Draws(len(ds), train, seed),
+                      num_workers=workers, pin_memory=torch.cuda.is_available(),
+                      persistent_workers=workers > 0,
                       generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
 
 

@@ -738,6 +738,29 @@ def test_damaged_data_gives_one_line_naming_the_file_and_the_fix(tmp_path, name,
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
 
 
+def test_file_loaders_give_the_same_batches_under_every_start_method(tmp_path, monkeypatch):
+    """Workers started by fork or spawn (as forkserver, Python 3.14's default on Linux) receive
+    plain data and make the main process's batches, crops and flips, epoch after epoch."""
+    paths = [str(tmp_path / f"{i}.png") for i in range(12)]
+    for i, path in enumerate(paths):  # noise: each crop and flip shows
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (12, 16, 3), np.uint8)).save(path)
+    crops = data._transforms("imagenet-r", 16, *MEAN_STD)[0][0]  # random crops and flips
+    images = data._Images(paths, list(range(12)), crops)  # label i: image i
+
+    def epochs(workers, start=None):  # two epochs of three batches
+        monkeypatch.setattr(data, "DataLoader", functools.partial(
+            torch.utils.data.DataLoader, multiprocessing_context=start))
+        loader = data.make_loader(images, 4, True, workers, seed=3)
+        return [torch.cat([x.flatten(1), y[:, None]], 1) for _ in range(2) for x, y in loader]
+    alone = epochs(0)
+    first, second = (torch.cat(alone[e:e + 3]) for e in (0, 3))
+    first, second = (t[t[:, -1].argsort()] for t in (first, second))  # each: image i in row i
+    assert len(alone) == 6 and not torch.equal(first, second)  # the images cropped anew
+    for workers, start in ((2, "fork"), (1, "spawn")):  # spawn: seconds to start a worker
+        batches = epochs(workers, start)
+        assert len(batches) == 6 and all(map(torch.equal, alone, batches)), start
+
+
 @pytest.mark.parametrize("download", [False, True])  # True: the download fails, offline
 @pytest.mark.parametrize("name", list(FAKE))
 def test_missing_data_names_the_folder_the_source_and_the_flag(tmp_path, name, download):
