@@ -33,7 +33,12 @@ from torchvision.transforms.functional import to_pil_image
 
 
 class DataError(Exception):
-    """A data set is missing, incomplete or corrupt, or the task split is impossible."""
+    """A data set is missing, incomplete or corrupt, or the task split is impossible. One raised in
+    a loader's worker process is raised again in the main process with the worker's traceback for
+    message: its end, after "data.DataError: ", is the worker's message, the one shown."""
+
+    def __str__(self):
+        return super().__str__().rpartition(f"{__name__}.DataError: ")[2].rstrip("\n")
 
 
 # Tasks, epochs, batch size, resolution: the paper's and InfLoRA's configs (ImageNet-R runs 5 and 20
@@ -67,7 +72,12 @@ class _Images(Dataset):
         item = self.source[i]
         if torch.is_tensor(item):  # as floats in [0, 1]
             return self.transform(item.float() / 255), self.targets[i]
-        img = Image.open(item) if isinstance(item, str) else to_pil_image(torch.tensor(item))
+        if isinstance(item, str):  # a file, read whole here: a damaged one is named
+            with _reading(item, "replace it with an intact copy (fetch the data set again)"):
+                img = Image.open(item)
+                img.load()
+        else:
+            img = to_pil_image(torch.tensor(item))
         return self.transform(img.convert("RGB")), self.targets[i]  # grey copied to 3 channels
 
 

@@ -738,6 +738,23 @@ def test_damaged_data_gives_one_line_naming_the_file_and_the_fix(tmp_path, name,
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
 
 
+@pytest.mark.parametrize("workers", [0, 1])  # 1: raised in a worker, raised again in the main one
+def test_a_damaged_image_met_in_training_ends_the_run_in_one_line(tmp_path, workers, capsys):
+    """An image file cut short: exit 2, one line that names it and the fix; task 1's checkpoint
+    kept, for --resume once the file is replaced."""
+    FAKE["imagenet100"](tmp_path)  # one image per class in train/<c>/ and val/<c>/
+    cut = tmp_path / "train" / "99" / "0.png"  # the last class's: met in task 2
+    cut.write_bytes(cut.read_bytes()[:50])  # of 75 bytes: PIL opens it, and fails in its pixels
+    argv = _without(_without(SHORT, "--dataset"), "--workers") + [
+        "--dataset", "imagenet100", "--data-dir", str(tmp_path), "--workers", str(workers),
+        "--out", str(tmp_path / "run")]
+    assert jm.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {cut} cannot be read (OSError: ") and err.count("\n") == 1, err
+    assert err.endswith("replace it with an intact copy (fetch the data set again).\n"), err
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+
+
 def test_file_loaders_give_the_same_batches_under_every_start_method(tmp_path, monkeypatch):
     """Workers started by fork or spawn (as forkserver, Python 3.14's default on Linux) receive
     plain data and make the main process's batches, crops and flips, epoch after epoch."""
