@@ -277,7 +277,9 @@ BAD = {  # id: (how to write the file w, what the error must say[, preset, depth
               r"cls_token \(1, 1, 384\)", "vit_small", 2),
     "deeper": (_bytes(bytes, "npz"), r"missing keys \(16\): Transformer/encoderblock_2/",
                "vit_tiny", 3),
-    "no-vit": (_torch(lambda sd: {"foo": torch.zeros(2)}), r"unexpected keys \(1\): foo;"),
+    "no-vit": (_torch(lambda sd: {"foo": torch.zeros(2)}),  # not "(npz layout)", the first one's
+               r"w fits none of the key layouts \(npz, timm, ours\), .*; its keys \(1\): foo;"),
+    "no-dict": (_torch(lambda sd: list(sd.values())), r"w fits none .*; its keys \(0\): none;"),
     "nan": (_torch(_with_nan), r"NaN or inf values \(blocks\.1\.attn\.qkv\.weight\);"),
     "a-module": (_torch(lambda sd: torch.nn.Linear(2, 2)), "w: it pickles a Python object"),
     "text": (lambda small, path: path.write_text("notes\n"), "w is not a checkpoint"),
