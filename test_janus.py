@@ -1757,7 +1757,8 @@ def test_other_errors_keep_their_traceback(tmp_path, monkeypatch):
 
 def test_help_notes_and_the_default_workers(capsys, monkeypatch):
     """--help lists every flag, the switches as 'turn off'; a flag with no effect, or a memory
-    that will fill, gets a note; repeated --seeds add up; --workers needs no Linux call."""
+    that will fill, gets a note; repeated --seeds add up; --workers needs no Linux call, nor a
+    known number of cores."""
     with pytest.raises(SystemExit):
         jm.main(["--help"])
     out = capsys.readouterr().out
@@ -1782,6 +1783,8 @@ def test_help_notes_and_the_default_workers(capsys, monkeypatch):
     assert jm.configure(["--seeds", "0", "--seeds", "1", "--device", "cpu"])[0].seeds == [0, 1]
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # as on macOS and Windows
     assert jm.configure(["--device", "cpu"])[0].workers == os.cpu_count()
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # the number of cores unknown
+    assert jm.configure(["--device", "cpu"])[0].workers == 1
 
 
 @pytest.mark.parametrize("flags, mean_std", [
