@@ -88,7 +88,8 @@ def _reading(what, fix):
         yield
     except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, RuntimeError,
             struct.error, pickle.UnpicklingError, tarfile.TarError) as err:
-        raise DataError(f"{what} cannot be read ({type(err).__name__}: {err}): {fix}.") from None
+        why = " ".join(str(err).split())  # one line: tarfile's lists a line per method tried
+        raise DataError(f"{what} cannot be read ({type(err).__name__}: {why}): {fix}.") from None
 
 
 def _unpack(root, url, name, download):
