@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms as T
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -33,7 +33,12 @@ from torchvision.transforms.functional import to_pil_image
 
 
 class DataError(Exception):
-    """A data set is missing, incomplete or corrupt, or the task split is impossible."""
+    """A data set is missing, incomplete or corrupt, or the task split is impossible. One raised in
+    a loader's worker process is raised again in the main process with the worker's traceback for
+    message: its end, after "data.DataError: ", is the worker's message, the one shown."""
+
+    def __str__(self):
+        return super().__str__().rpartition(f"{__name__}.DataError: ")[2].rstrip("\n")
 
 
 # Tasks, epochs, batch size, resolution: the paper's and InfLoRA's configs (ImageNet-R runs 5 and 20
@@ -67,7 +72,12 @@ class _Images(Dataset):
         item = self.source[i]
         if torch.is_tensor(item):  # as floats in [0, 1]
             return self.transform(item.float() / 255), self.targets[i]
-        img = Image.open(item) if isinstance(item, str) else to_pil_image(torch.tensor(item))
+        if isinstance(item, str):  # a file, read whole here: a damaged one is named
+            with _reading(item, "replace it with an intact copy (fetch the data set again)"):
+                img = Image.open(item)
+                img.load()
+        else:
+            img = to_pil_image(torch.tensor(item))
         return self.transform(img.convert("RGB")), self.targets[i]  # grey copied to 3 channels
 
 
@@ -78,7 +88,8 @@ def _reading(what, fix):
         yield
     except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, RuntimeError,
             struct.error, pickle.UnpicklingError, tarfile.TarError) as err:
-        raise DataError(f"{what} cannot be read ({type(err).__name__}: {err}): {fix}.") from None
+        why = " ".join(str(err).split())  # one line: tarfile's lists a line per method tried
+        raise DataError(f"{what} cannot be read ({type(err).__name__}: {why}): {fix}.") from None
 
 
 def _unpack(root, url, name, download):
@@ -307,24 +318,31 @@ def subset(ds, classes):
 
 
 class _Seeded(Dataset):
-    """ds and its own sampler: each epoch, one generator in the main process draws the order and a
-    seed per sample, ds[i] is made under its seed (fork_rng: the run's generator stays)."""
+    """ds, its item (i, seed) made as ds[i] under that seed (fork_rng: the run's generator stays).
+    Plain data, which a worker process receives under any start method (fork, spawn, forkserver)."""
 
-    def __init__(self, ds, shuffle, seed):
-        self.ds, self.shuffle, self.gen = ds, shuffle, torch.Generator().manual_seed(seed)
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __iter__(self):
-        n = len(self.ds)
-        order = torch.randperm(n, generator=self.gen) if self.shuffle else torch.arange(n)
-        return zip(order.tolist(), torch.randint(0, 2**62, (n,), generator=self.gen).tolist())
+    def __init__(self, ds):
+        self.ds = ds
 
     def __getitem__(self, item):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(item[1])
             return self.ds[item[0]]
+
+
+class _Draws(Sampler):
+    """Each epoch's (i, seed) pairs for _Seeded, drawn in the main process by one generator: the
+    order (shuffled when shuffle) and a seed per sample."""
+
+    def __init__(self, n, shuffle, seed):
+        self.n, self.shuffle, self.gen = n, shuffle, torch.Generator().manual_seed(seed)
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.gen) if self.shuffle else torch.arange(self.n)
+        return zip(order.tolist(), torch.randint(0, 2**62, (self.n,), generator=self.gen).tolist())
 
 
 def make_loader(ds, batch_size, train, workers, seed, device=None):
@@ -334,9 +352,9 @@ def make_loader(ds, batch_size, train, workers, seed, device=None):
     file-based set's by a DataLoader with `workers` processes."""
     if getattr(ds.dataset if isinstance(ds, Subset) else ds, "batched", None) is not None:
         return DeviceLoader(ds, batch_size, train, seed, torch.device(device or "cpu"))
-    seeded = _Seeded(ds, train, seed)
-    return DataLoader(seeded, batch_size=batch_size, sampler=seeded, num_workers=workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+    return DataLoader(_Seeded(ds), batch_size=batch_size, sampler=_Draws(len(ds), train, seed),
+                      num_workers=workers, pin_memory=torch.cuda.is_available(),
+                      persistent_workers=workers > 0,
                       generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
 
 

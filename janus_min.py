@@ -865,7 +865,7 @@ def configure(argv):
     gpm = (0.98, 1.0) if cfg.dataset == "imagenet-r" else (0.95, 1.0)  # InfLoRA's configs
     cfg = replace(cfg, **defaults, device=device, seeds=list(cfg.seeds),
                   gpm_threshold=list(cfg.gpm_threshold or gpm),
-                  workers=os.cpu_count() if cfg.workers is None else cfg.workers,
+                  workers=(os.cpu_count() or 1) if cfg.workers is None else cfg.workers,
                   **absolute_paths(cfg))
     check(cfg)
     notes(cfg, typed)

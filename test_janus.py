@@ -277,7 +277,9 @@ BAD = {  # id: (how to write the file w, what the error must say[, preset, depth
               r"cls_token \(1, 1, 384\)", "vit_small", 2),
     "deeper": (_bytes(bytes, "npz"), r"missing keys \(16\): Transformer/encoderblock_2/",
                "vit_tiny", 3),
-    "no-vit": (_torch(lambda sd: {"foo": torch.zeros(2)}), r"unexpected keys \(1\): foo;"),
+    "no-vit": (_torch(lambda sd: {"foo": torch.zeros(2)}),  # not "(npz layout)", the first one's
+               r"w fits none of the key layouts \(npz, timm, ours\), .*; its keys \(1\): foo;"),
+    "no-dict": (_torch(lambda sd: list(sd.values())), r"w fits none .*; its keys \(0\): none;"),
     "nan": (_torch(_with_nan), r"NaN or inf values \(blocks\.1\.attn\.qkv\.weight\);"),
     "a-module": (_torch(lambda sd: torch.nn.Linear(2, 2)), "w: it pickles a Python object"),
     "text": (lambda small, path: path.write_text("notes\n"), "w is not a checkpoint"),
@@ -655,6 +657,7 @@ def test_imagenet_r_split_tar_and_ready_layout(tmp_path):
         with pytest.raises(data.DataError) as err:
             _load("imagenet-r", tmp_path / "data")
         assert str(err.value).startswith(f"{tmp_path}/data/imagenet-r.tar cannot be read")
+        assert "\n" not in str(err.value)  # tarfile's reason: a line per method it tried
         assert str(err.value).endswith(f"delete it and fetch it again from {data.IMAGENET_R_URL}.")
         assert [p.name for p in (tmp_path / "data").iterdir()] == ["imagenet-r.tar"]
     shutil.copy(tmp_path / "full.tar", tmp_path / "data" / "imagenet-r.tar")  # fetched again
@@ -736,6 +739,46 @@ def test_damaged_data_gives_one_line_naming_the_file_and_the_fix(tmp_path, name,
     with pytest.raises(data.DataError) as err:
         _load(name, tmp_path)
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("workers", [0, 1])  # 1: raised in a worker, raised again in the main one
+def test_a_damaged_image_met_in_training_ends_the_run_in_one_line(tmp_path, workers, capsys):
+    """An image file cut short: exit 2, one line that names it and the fix; task 1's checkpoint
+    kept, for --resume once the file is replaced."""
+    FAKE["imagenet100"](tmp_path)  # one image per class in train/<c>/ and val/<c>/
+    cut = tmp_path / "train" / "99" / "0.png"  # the last class's: met in task 2
+    cut.write_bytes(cut.read_bytes()[:50])  # of 75 bytes: PIL opens it, and fails in its pixels
+    argv = _without(_without(SHORT, "--dataset"), "--workers") + [
+        "--dataset", "imagenet100", "--data-dir", str(tmp_path), "--workers", str(workers),
+        "--out", str(tmp_path / "run")]
+    assert jm.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {cut} cannot be read (OSError: ") and err.count("\n") == 1, err
+    assert err.endswith("replace it with an intact copy (fetch the data set again).\n"), err
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+
+
+def test_file_loaders_give_the_same_batches_under_every_start_method(tmp_path, monkeypatch):
+    """Workers started by fork or spawn (as forkserver, Python 3.14's default on Linux) receive
+    plain data and make the main process's batches, crops and flips, epoch after epoch."""
+    paths = [str(tmp_path / f"{i}.png") for i in range(12)]
+    for i, path in enumerate(paths):  # noise: each crop and flip shows
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (12, 16, 3), np.uint8)).save(path)
+    crops = data._transforms("imagenet-r", 16, *MEAN_STD)[0][0]  # random crops and flips
+    images = data._Images(paths, list(range(12)), crops)  # label i: image i
+
+    def epochs(workers, start=None):  # two epochs of three batches
+        monkeypatch.setattr(data, "DataLoader", functools.partial(
+            torch.utils.data.DataLoader, multiprocessing_context=start))
+        loader = data.make_loader(images, 4, True, workers, seed=3)
+        return [torch.cat([x.flatten(1), y[:, None]], 1) for _ in range(2) for x, y in loader]
+    alone = epochs(0)
+    first, second = (torch.cat(alone[e:e + 3]) for e in (0, 3))
+    first, second = (t[t[:, -1].argsort()] for t in (first, second))  # each: image i in row i
+    assert len(alone) == 6 and not torch.equal(first, second)  # the images cropped anew
+    for workers, start in ((2, "fork"), (1, "spawn")):  # spawn: seconds to start a worker
+        batches = epochs(workers, start)
+        assert len(batches) == 6 and all(map(torch.equal, alone, batches)), start
 
 
 @pytest.mark.parametrize("download", [False, True])  # True: the download fails, offline
@@ -1733,7 +1776,8 @@ def test_other_errors_keep_their_traceback(tmp_path, monkeypatch):
 
 def test_help_notes_and_the_default_workers(capsys, monkeypatch):
     """--help lists every flag, the switches as 'turn off'; a flag with no effect, or a memory
-    that will fill, gets a note; repeated --seeds add up; --workers needs no Linux call."""
+    that will fill, gets a note; repeated --seeds add up; --workers needs no Linux call, nor a
+    known number of cores."""
     with pytest.raises(SystemExit):
         jm.main(["--help"])
     out = capsys.readouterr().out
@@ -1758,6 +1802,8 @@ def test_help_notes_and_the_default_workers(capsys, monkeypatch):
     assert jm.configure(["--seeds", "0", "--seeds", "1", "--device", "cpu"])[0].seeds == [0, 1]
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # as on macOS and Windows
     assert jm.configure(["--device", "cpu"])[0].workers == os.cpu_count()
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # the number of cores unknown
+    assert jm.configure(["--device", "cpu"])[0].workers == 1
 
 
 @pytest.mark.parametrize("flags, mean_std", [

@@ -150,7 +150,12 @@ def _fit(model, sd, path):
     want = {k: v.shape for k, v in model.state_dict().items() if k.rsplit(".", 1)[-1] in _OWN}
     names = {layout: {k: functools.reduce(lambda key, rule: re.sub(*rule, key), rules, k)
                       for k in want} for layout, rules in _RENAMES.items()}  # ours -> theirs
-    layout = max(names, key=lambda name: sum(key in sd for key in names[name].values()))
+    named = {layout: sum(key in sd for key in names[layout].values()) for layout in names}
+    layout = max(named, key=named.get)
+    if not named[layout]:  # max took the first layout: none fits, whose missing keys say nothing
+        keys = ", ".join(list(sd)[:4]) or "none"
+        raise CheckpointError(f"{path} fits none of the key layouts ({', '.join(names)}), naming "
+                              f"no tensor of this ViT; its keys ({len(sd)}): {keys}; " + _ELSE)
     theirs = names[layout]
     ready, resized, misfit = {}, "", []
     for ours, key in ((o, k) for o, k in theirs.items() if k in sd):
