@@ -1694,11 +1694,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_a_live_runs_folder_is_refused(
     script = os.path.realpath(jm.__file__)
     run = subprocess.Popen([sys.executable, script, *SHORT, "--out=-x"], cwd=tmp_path,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    config = tmp_path / "-x" / "config.json"
-    while run.poll() is None:  # until the run has claimed its folder: config.json whole
-        with contextlib.suppress(OSError, ValueError):
-            json.loads(config.read_text())
-            break
+    while not (tmp_path / "-x" / "checkpoint.pt").exists() and run.poll() is None:  # task 1 done
         time.sleep(0.05)
     run.send_signal(signal.SIGSTOP)  # live, and paused while the second run tries its folder
     monkeypatch.chdir(tmp_path)
@@ -1732,17 +1728,19 @@ def test_reproduce_leaves_a_held_row_to_its_holder_and_its_interruption_names_th
         tmp_path, capsys, no_plots):
     """While another process holds a row's folder, --reproduce runs the other rows and says so;
     Ctrl-C prints the command that continues the set, as --resume on the set's folder does; once
-    the holder has died (SIGKILL), its lock is free, and that command finishes the set."""
+    the holder has died (SIGKILL), its lock is free, and that command takes its row."""
     sets = tmp_path / "set"
     (sets / "lora-gpm").mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(sets / "lora-gpm" / "lock")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    argv = SHORT + ["--reproduce", "gr-plugin", "--out", str(sets)]
     try:
         assert holder.stdout.readline() == "held\n"
-        with ctrl_c_at_task(2):
-            assert jm.main(SHORT + ["--reproduce", "gr-plugin", "--out", str(sets)]) == 130
+        with ctrl_c_at_task(1):  # as the other row starts
+            assert jm.main(argv) == 130
         out, err = capsys.readouterr()
         assert f"lora-gpm: {sets}/lora-gpm is in use by pid 7 on elsewhere: skipped" in out
+        assert "lora-gpm-gr: python " in out
         line = err.splitlines()[-1]
         assert line.startswith("interrupted (SIGINT): continue the set with: python ")
         assert jm.main(["--resume", str(sets)]) == 2  # what the folder is, and the same command
@@ -1750,11 +1748,11 @@ def test_reproduce_leaves_a_held_row_to_its_holder_and_its_interruption_names_th
     finally:
         holder.kill()
         holder.wait()
-    assert jm.main(shlex.split(line.split(" with: ")[1])[2:]) == 0
-    out = capsys.readouterr().out
-    assert "seed 0: resumed after task 1" in out and "lora-gpm-gr: finished" not in out
-    table = (sets / "table.md").read_text()
-    assert "| lora-gpm |" in table and "| lora-gpm-gr |" in table
+    words = shlex.split(line.split(" with: ")[1])
+    assert jm.configure(words[2:])[0] == jm.configure(argv)[0]  # the set, into the same folder
+    with ctrl_c_at_task(1):
+        assert jm.main(words[2:]) == 130
+    assert "lora-gpm: python " in capsys.readouterr().out  # the dead holder's row, taken
 
 
 def test_paths_as_typed_and_a_failed_start_leaves_nothing(tmp_path, monkeypatch, capsys):
