@@ -1190,9 +1190,9 @@ RUN_FILES = {
 
 
 def read_run_file(folder, name, cfg=None):
-    """A file of a run folder, as RUN_FILES says it must be, and, given the run's cfg, belonging
-    to that run (its fixed flags, no seed the run lacks); else one line that names the file and
-    says what to do."""
+    """A file of a run folder (a checkpoint loaded on cfg's device), as RUN_FILES says it must be,
+    and, given the run's cfg, belonging to that run (its fixed flags, no seed the run lacks); else
+    one line that names the file and says what to do."""
     path = os.path.join(folder, name)
     shape, fix = RUN_FILES[name]
     try:
@@ -1204,14 +1204,15 @@ def read_run_file(folder, name, cfg=None):
     except FileNotFoundError:
         raise ConfigError(f"{q(path)} is missing: {fix}") from None
     except Exception as e:  # noqa: BLE001 -- torch's unpickler fails on a damaged file many ways
-        said = f"is damaged ({e})" if isinstance(e, ValueError) and name.endswith(".json") else \
-            f"cannot be read ({type(e).__name__})"  # JSON's errors say where, in one line
+        json_error = isinstance(e, ValueError) and name.endswith(".json")  # says where, in a line
+        said = f"is damaged ({e})" if json_error else f"cannot be read ({type(e).__name__})"
         raise ConfigError(f"{q(path)} {said}: {fix}") from None
     if problem := misfit(obj, shape):
         raise ConfigError(f"{q(path)} is not as this program writes it ({problem}): {fix}")
     if cfg:  # the run's: its fixed flags, and no seed that the run lacks
         other = differ(obj["config"], cfg).split()
-        other += [] if set(obj["config"]["seeds"]) <= set(cfg.seeds) else ["--seeds"]
+        if not set(obj["config"]["seeds"]) <= set(cfg.seeds):
+            other.append("--seeds")
         if other:
             raise ConfigError(f"{q(path)} belongs to another run (its {' '.join(other)} differ "
                               f"from config.json's): {fix}")
