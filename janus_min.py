@@ -38,12 +38,16 @@ ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024),
 ran; GPM: Saha et al., ICLR 2021.
 """
 import argparse
+import contextlib
 import copy
+import hashlib
 import json
 import math
 import os
 import re
 import shlex
+import signal
+import socket
 import statistics
 import sys
 import time
@@ -53,6 +57,10 @@ from dataclasses import field
 from dataclasses import fields
 from dataclasses import replace
 from functools import partial
+try:
+    import fcntl  # POSIX's file locks (Linux, macOS): a live run's folder is held
+except ImportError:  # Windows: runs without the lock (README)
+    fcntl = None
 
 import torch
 import torch.nn.functional as F
@@ -784,6 +792,7 @@ METHODS = {"janus": ("", "Janus-LoRA"),
 SWITCHES = ("oe", "gr", "dml", "rectify", "memory", "lora_a")  # what tells the methods apart
 RESUME_FREE = ("device", "workers", "compile", "seeds")  # what a resume may change
 RUN_FREE = RESUME_FREE + ("resume", "out")  # what may differ between two configs of one run
+PATHS = ("data_dir", "weights", "out", "resume")  # the flags that take a path
 EXAMPLES = """examples:
   python janus_min.py --dataset synthetic --model vit_tiny --weights none   # a first run
   python janus_min.py --dataset cifar100 --seeds 0 1 2 3 4 --out runs/cifar
@@ -800,6 +809,15 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
+def path(name, text):
+    """The value of the path flag `name` as a user types it: ~ expanded, and ./ before a leading
+    dash, which argparse would take for a flag; an empty one is refused."""
+    if not text:  # ConfigError, not argparse's ValueError: one line, not the usage
+        raise ConfigError(f"{name} '': an empty path: give one")
+    text = os.path.expanduser(text)
+    return os.path.join(".", text) if text.startswith("-") else text
+
+
 def parser():
     """argparse's parser of Config's fields; what it returns holds only the flags typed."""
     p = argparse.ArgumentParser(prog="janus_min.py", description=__doc__.split("\n\n")[0],
@@ -808,6 +826,8 @@ def parser():
     choices = {"method": list(METHODS), "reproduce": list(REPRODUCE)}
     for f in fields(Config):
         kw = dict(f.metadata)
+        if f.name in PATHS:
+            kw["type"] = partial(path, flag(f.name))
         if f.name in choices:
             kw["choices"] = choices[f.name]
         if f.type is bool and f.default:  # the ablation's switches: on unless --no-NAME
@@ -849,8 +869,7 @@ def configure(argv):
         if fixed:
             raise ConfigError(f"--resume continues a run with its own flags: drop {fixed} (only "
                               "--device, --workers, --compile and more --seeds may change)")
-        saved = read_json(os.path.join(typed["resume"], "config.json"),
-                          "restore it, or start the run again with another --out")["config"]
+        saved = saved_run(typed["resume"])["config"]
         seeds = saved["seeds"]
         if not set(typed.get("seeds", seeds)) >= set(seeds):
             raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, seeds))}; give "
@@ -875,7 +894,7 @@ def configure(argv):
 def absolute_paths(cfg):
     """--data-dir and a --weights file as absolute paths, so that a resume finds them from any
     folder."""
-    paths = {"data_dir": os.path.abspath(os.path.expanduser(cfg.data_dir))}
+    paths = {"data_dir": os.path.abspath(cfg.data_dir)}
     if cfg.weights not in (*vit.URLS, "none") and os.path.isfile(cfg.weights):  # a name wins
         paths["weights"] = os.path.abspath(cfg.weights)
     return paths
@@ -963,6 +982,9 @@ def run(cfg, typed):
     """A run in its folder: every seed not finished yet, then the summary and the plots."""
     cfg.out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-"
                                                     f"{time.strftime('%Y%m%d-%H%M%S')}")
+    if holder := hold(cfg.out):
+        raise ConfigError(f"{q(cfg.out)} is in use by {holder}, a live run: wait for it to end, "
+                          "or choose another --out")
     if not cfg.resume:
         claim(cfg.out, {"argv": to_argv(typed), "config": asdict(cfg)})
     try:
@@ -971,11 +993,12 @@ def run(cfg, typed):
         if not cfg.resume:  # nothing ran: the same command may claim the folder again
             os.remove(os.path.join(cfg.out, "config.json"))
         raise
-    runs, state = previous(cfg, weights) if cfg.resume else ([], None)
+    source = backbone_file(weights)  # once: it hashes the file
+    runs, state = previous(cfg, source) if cfg.resume else ([], None)
     results = {"config": asdict(cfg), "environment": environment(cfg), "runs": runs}
     print(f"{cfg.dataset}: {len(splits.train)} training images, {cfg.tasks} tasks; "
           f"{describe(asdict(cfg))}; {results['environment']['precision']}; out {q(cfg.out)}")
-    save = partial(save_checkpoint, cfg=cfg, weights=weights)
+    save = partial(save_checkpoint, cfg=cfg, backbone=source)
     seeds = [s for s in cfg.seeds if s not in {r["seed"] for r in runs}]
     if state:  # the interrupted seed first: a new seed's checkpoint would replace its own
         seeds.sort(key=lambda s: s != state["record"]["seed"])
@@ -1000,7 +1023,6 @@ def claim(out, config):
     if stray and not os.path.exists(os.path.join(out, "config.json")):
         raise ConfigError(f"--out {q(out)} holds {' and '.join(stray)} of another run: choose "
                           "another --out")
-    make_folder(out)
     try:
         with open(os.path.join(out, "config.json"), "x") as f:
             json.dump(config, f, indent=1)
@@ -1010,7 +1032,12 @@ def claim(out, config):
 
 
 def make_folder(out):
-    """The folder --out, made if need be; a file in its way, or no right to write, is bad input."""
+    """The folder --out, made if need be: the folders made for it, deepest first. A file in its
+    way, or no right to write, is bad input."""
+    made, parent = [], os.path.abspath(out)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
     try:
         os.makedirs(out, exist_ok=True)
     except FileExistsError:
@@ -1019,6 +1046,59 @@ def make_folder(out):
         raise ConfigError(f"--out {q(out)}: cannot write there ({e.strerror})") from None
     if not os.access(out, os.W_OK):
         raise ConfigError(f"--out {q(out)}: cannot write there (no permission)")
+    return made
+
+
+HELD = {}  # the run folders this process holds: {real path: (its lock file, the folders made)}
+
+
+def hold(folder):
+    """Take the lock of a run folder, made if need be: None, or its holder (pid and host) if
+    another live process has it. The system releases a lock when its process dies, so a live
+    run's folder is told from an interrupted one's. A process takes a folder once (a --reproduce
+    row, then its run), until release()."""
+    key = os.path.realpath(folder)
+    if key in HELD or fcntl is None:  # held already (a --reproduce row); Windows: no lock (README)
+        make_folder(folder)
+        return None
+    made, lock = [], os.path.join(key, "lock")
+    while True:
+        made += make_folder(folder)
+        try:
+            f = open(lock, "a+")
+        except FileNotFoundError:  # its folder removed as we made it, by a start that failed
+            continue
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(lock)):
+                break
+        except BlockingIOError:  # a live process holds it: its line names it
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            return holder
+        except FileNotFoundError:
+            pass
+        f.close()  # its holder removed it as we took it: take the one there now
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    HELD[key] = (f, made)
+    return None
+
+
+def release(keys):
+    """Give back the run folders of these keys of HELD: each lock file removed before its lock
+    goes (so that the next holder takes a file of its own), and the folders made for it that
+    are left empty (nothing ran)."""
+    for key in keys:
+        f, made = HELD.pop(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f.name)
+        f.close()
+        for folder in made:  # deepest first: a folder that holds anything stays, and its parents
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def load_data_and_model(cfg):
@@ -1038,14 +1118,20 @@ def load_data_and_model(cfg):
 
 
 def backbone_file(weights):
-    """Which backbone a run started from: its file's path and size."""
-    return weights and {"path": os.path.abspath(weights), "bytes": os.path.getsize(weights)}
+    """Which backbone a run started from: its file's path and the SHA-256 of its content."""
+    if not weights:
+        return None
+    sha = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for block in iter(partial(f.read, 2**20), b""):  # 1 MiB at a time
+            sha.update(block)
+    return {"path": os.path.abspath(weights), "sha256": sha.hexdigest()}
 
 
-def save_checkpoint(learner, record, cfg, weights):
+def save_checkpoint(learner, record, cfg, backbone):
     """checkpoint.pt after a task: the learner, the seed's record and the generator, with the run's
     configuration and backbone; written to a temporary file, then renamed."""
-    state = {"config": asdict(cfg), "backbone": backbone_file(weights), "record": record,
+    state = {"config": asdict(cfg), "backbone": backbone, "record": record,
              "kv": nn.ModuleList(lora_layers(learner.model)).state_dict(),  # W0, A and B
              "heads": [head.state_dict() for head in learner.heads],
              "V": learner.oe and learner.oe.V, "memory": learner.memory,
@@ -1069,25 +1155,19 @@ def restore(learner, record, state, device):
     print(f"seed {record['seed']}: resumed after task {len(record['acc_matrix'])}", flush=True)
 
 
-def previous(cfg, weights):
-    """A resumed run's finished seeds, and its checkpoint (None if none), refused unless it belongs
-    to the run; then config.json takes the resume's config (its device, workers, more seeds)."""
-    runs, state = finished(cfg.out), None
-    path = os.path.join(cfg.out, "checkpoint.pt")
-    try:
-        if os.path.exists(path):
-            state = torch.load(path, map_location=cfg.device, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- torch's unpickler fails on a damaged file many ways
-        raise ConfigError(f"{path} cannot be read ({type(e).__name__}): delete it to run its seed "
-                          "again from its first task") from None
-    if state and (other := differ(state["config"], cfg)):
-        raise ConfigError(f"{path} belongs to another run (its {other} differ from config.json's): "
-                          "delete it, or resume the run it belongs to")
-    if state and state["backbone"] != backbone_file(weights):
-        raise ConfigError(f"{path}: the run started from the backbone {state['backbone']}, not "
-                          f"{backbone_file(weights)}: put the run's file back to continue it")
-    config = os.path.join(cfg.out, "config.json")
-    write_json(config, {**read_json(config, ""), "config": asdict(cfg)})
+def previous(cfg, backbone):
+    """A resumed run's finished seeds, and its checkpoint (None if none), each refused unless it
+    belongs to the run and its backbone; then config.json takes the resume's config (its device,
+    workers, more seeds)."""
+    runs, state = finished(cfg.out, cfg), None
+    if os.path.exists(os.path.join(cfg.out, "checkpoint.pt")):
+        state = read_run_file(cfg.out, "checkpoint.pt", cfg)
+    if state and state["backbone"] != backbone:
+        raise ConfigError(f"{q(os.path.join(cfg.out, 'checkpoint.pt'))}: the run started from the "
+                          f"backbone {state['backbone']}, not {backbone}: put the run's file back "
+                          "to continue it")
+    config = read_run_file(cfg.out, "config.json")
+    write_json(os.path.join(cfg.out, "config.json"), {**config, "config": asdict(cfg)})
     return runs, state
 
 
@@ -1097,28 +1177,123 @@ def differ(saved, cfg):
                     if k not in RUN_FREE and saved.get(k) != v)
 
 
-def finished(folder):
-    """The entries of the finished seeds in a folder's results.json; none if it has none."""
-    path = os.path.join(folder, "results.json")
-    return read_json(path, "delete it to run its seeds again")["runs"] if os.path.exists(
-        path) else []
+def finished(folder, cfg=None):
+    """The entries of the finished seeds in a folder's results.json (none if it has none), read
+    by read_run_file."""
+    if not os.path.exists(os.path.join(folder, "results.json")):
+        return []
+    return read_run_file(folder, "results.json", cfg)["runs"]
 
 
-def read_json(path, fix):
-    """A JSON file of the run folder; damaged or missing, one line that names it and says `fix`."""
+def saved_run(folder):
+    """The config.json of the run in a folder, for --resume; a folder that holds no run gets one
+    line that says what it is and what to run instead."""
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--resume {q(folder)}: " + (
+            "a file: name the run's folder, which holds its config.json" if os.path.exists(folder)
+            else f"no such folder: check the path, or start a run there with --out {q(folder)}"))
+    if os.path.exists(os.path.join(folder, "reproduce.json")):
+        argv = read_run_file(folder, "reproduce.json")["argv"] + ["--out", folder]
+        raise ConfigError(f"{q(folder)} holds a --reproduce set, a row in each folder: continue "
+                          f"the set with: {command(argv)}")
+    if os.path.exists(os.path.join(folder, "benchmark.json")):
+        raise ConfigError(f"{q(folder)} holds a --benchmark's timings, which have no run to "
+                          "continue: run the --benchmark command again to time again")
+    return read_run_file(folder, "config.json")
+
+
+# What the program reads of each file of a run folder (a shape, see misfit), and what to do when a
+# file is not so. A seed's record as new_record starts it; its entry in results.json, with metrics.
+RECORD = {key: type(value) for key, value in new_record(0).items()}
+METRICS = {"ACC": float, "MAA": float, "BWT": (float, type(None))}  # BWT: None with one task
+RUN_FILES = {
+    "config.json": ({"argv": [str], "config": Config},
+                    "restore it, or start the run again with another --out"),
+    "results.json": ({"config": Config, "runs": [{**RECORD, **METRICS, "task_aware": {
+                      "acc_matrix": list, **METRICS}}]}, "delete it to run its seeds again"),
+    "checkpoint.pt": ({"config": Config, "backbone": (dict, type(None)), "record": RECORD,
+                       "kv": dict, "heads": [dict], "V": (torch.Tensor, type(None)),
+                       "memory": [torch.Tensor], "prototypes": torch.Tensor,
+                       "rng": torch.Tensor}, "delete it to run its seed again from its first task"),
+    "reproduce.json": ({"argv": [str]}, "delete it, and continue the set with its --reproduce "
+                       "command")}
+
+
+def read_run_file(folder, name, cfg=None):
+    """A file of a run folder (a checkpoint loaded on cfg's device), as RUN_FILES says it must be,
+    and, given the run's cfg, belonging to that run (its fixed flags, no seed the run lacks); else
+    one line that names the file and says what to do."""
+    path = os.path.join(folder, name)
+    shape, fix = RUN_FILES[name]
     try:
-        with open(path) as f:
-            return json.load(f)
+        if name.endswith(".pt"):
+            obj = torch.load(path, map_location=cfg.device, weights_only=True)
+        else:
+            with open(path) as f:
+                obj = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"{q(path)} is missing: {fix or 'restore it'}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{q(path)} is damaged ({e}): {fix or 'restore it'}") from None
+        raise ConfigError(f"{q(path)} is missing: {fix}") from None
+    except Exception as e:  # noqa: BLE001 -- torch's unpickler fails on a damaged file many ways
+        json_error = isinstance(e, ValueError) and name.endswith(".json")  # says where, in a line
+        said = f"is damaged ({e})" if json_error else f"cannot be read ({type(e).__name__})"
+        raise ConfigError(f"{q(path)} {said}: {fix}") from None
+    if problem := misfit(obj, shape):
+        raise ConfigError(f"{q(path)} is not as this program writes it ({problem}): {fix}")
+    if cfg:  # the run's: its fixed flags, and no seed that the run lacks
+        other = differ(obj["config"], cfg).split()
+        if not set(obj["config"]["seeds"]) <= set(cfg.seeds):
+            other.append("--seeds")
+        if other:
+            raise ConfigError(f"{q(path)} belongs to another run (its {' '.join(other)} differ "
+                              f"from config.json's): {fix}")
+    return obj
+
+
+def misfit(value, shape, where=""):
+    """What keeps a value read from a run file from its shape (None: nothing). A shape is a type,
+    a tuple of shapes (any one), [shape] (a list of such), a dict (these keys at least, each of its
+    shape), or Config: a saved config, exactly its fields, each of saved_shape."""
+    if isinstance(shape, tuple):
+        problems = [misfit(value, s, where) for s in shape]
+        return None if None in problems else problems[0]
+    if shape is Config:
+        shape = {f.name: saved_shape(f) for f in fields(Config)}
+        unknown = sorted(set(value) - set(shape)) if isinstance(value, dict) else []
+        if unknown:  # Config(**value) would fail
+            return f"{where} has {', '.join(unknown)}, which no flag sets"
+    kind = type(shape) if isinstance(shape, (dict, list)) else shape
+    if not isinstance(value, kind):
+        return f"{where or 'it'} has type {type(value).__name__}, not {kind.__name__}"
+    inner = []  # (value, shape, where) of what it holds
+    if isinstance(shape, list):
+        inner = [(v, shape[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(shape, dict):
+        if lacks := [key for key in shape if key not in value]:
+            return f"{where or 'it'} lacks {', '.join(lacks)}"
+        inner = [(value[k], s, f"{where}.{k}" if where else k) for k, s in shape.items()]
+    return next(filter(None, (misfit(*args) for args in inner)), None)
+
+
+def saved_shape(f):
+    """The shape of a Config field in a saved config: its flag's type (a float may be written as an
+    int), a list of it for a list, None too where the default is None (configure fills it in)."""
+    item = f.metadata.get("type", f.type)
+    item = (float, int) if item is float else item
+    kind = [item] if f.type is list else item
+    return (kind, type(None)) if f.default is None else kind
 
 
 def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_file(path, json.dumps(obj, indent=1))
+
+
+def write_file(path, text):
+    """A file written whole or not at all: a temporary file, then renamed; the temporary file is
+    the process's own, since the jobs of an array write table.md and reproduce.json at once."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def environment(cfg):
@@ -1352,30 +1527,40 @@ REPRODUCE = {
 
 
 def reproduce(cfg, typed):
-    """Each row into OUT/<row>/ with the flags typed and the row's own: a finished row is skipped,
-    an interrupted one continued; a row run with other flags is refused. Then table.md."""
+    """Each row into OUT/<row>/ with the flags typed and the row's own: a row that another live
+    process holds is left to it, a finished row skipped, an interrupted one continued; a row run
+    with other flags is refused. Then table.md of the rows finished."""
     what, rows = REPRODUCE[cfg.reproduce]
-    out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
+    out = cfg.out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
     common = to_argv({k: v for k, v in typed.items() if k not in ("reproduce", "row", "dry_run",
                                                                   "out")})
     print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows on {cfg.dataset}, T={cfg.tasks}, "
           f"into {q(out)}")
     for row in [cfg.row] if cfg.row else rows:
         folder = os.path.join(out, row)
+        if not cfg.dry_run and (holder := hold(folder)):  # until main ends; its run holds it too
+            print(f"{row}: {q(folder)} is in use by {holder}: skipped, that process runs it")
+            continue
         argv = common + rows[row].split() + ["--out", folder]
         if os.path.exists(os.path.join(folder, "config.json")):
-            saved = read_json(os.path.join(folder, "config.json"), "")["config"]
+            saved = read_run_file(folder, "config.json")["config"]
             if other := differ(saved, configure(argv)[0]):
                 raise ConfigError(f"row {row}: {q(folder)} was run with other {other}; choose "
                                   "another --out, or remove that folder")
-            if set(cfg.seeds) <= {r["seed"] for r in finished(folder)}:
+            if set(cfg.seeds) <= {r["seed"] for r in finished(folder, Config(**saved))}:
                 print(f"{row}: finished, skipped")
                 continue
             free = {k: v for k, v in typed.items() if k in RESUME_FREE}  # --device, --seeds...
             argv = ["--resume", folder, *to_argv(free)]
-        print(f"{row}: python janus_min.py {shlex.join(argv)}", flush=True)
-        if not cfg.dry_run and (code := main(argv)):
-            return code
+        print(f"{row}: {command(argv)}", flush=True)
+        if cfg.dry_run:
+            continue
+        try:
+            run(*configure(argv))
+        finally:  # once a row has run, --resume OUT names the command that continues the set
+            if os.path.exists(os.path.join(folder, "config.json")):
+                write_json(os.path.join(out, "reproduce.json"),
+                           {"argv": reproduce_argv(cfg, typed)})
     if not cfg.dry_run:
         write_table(cfg, out, rows)
     return 0
@@ -1401,16 +1586,35 @@ def write_table(cfg, out, rows):
                  fmt(mean([x for r in runs for x in r["task_seconds"]]), ".1f")]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     text = "\n".join(lines)
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(text + "\n")
+    write_file(os.path.join(out, "table.md"), text + "\n")
     print(f"{text}\nwrote {q(os.path.join(out, 'table.md'))}")
+
+
+def reproduce_argv(cfg, typed):
+    """The flags of a --reproduce command as typed, its paths absolute, but --out and --dry-run:
+    with --out, the command that continues the set from any folder."""
+    return to_argv({k: getattr(cfg, k) for k in typed if k not in ("out", "dry_run")})
+
+
+def command(argv):
+    """The shell command that runs this program with argv from the current folder: the script by
+    its path from here, or its absolute path outside it."""
+    here = os.path.join(os.path.realpath(os.getcwd()), "")
+    return shlex.join(["python", os.path.realpath(__file__).removeprefix(here), *argv])
+
+
+def interrupt(signum, frame):
+    """SIGTERM, a scheduler's at a time limit or a pre-emption: a run stops as at Ctrl-C."""
+    raise KeyboardInterrupt(signum)
 
 
 def main(argv=None):
     """python janus_min.py [flags] (see --help): bad input and a diverged loss end in one line that
-    says what to do (exit 2), Ctrl-C in the --resume command (130); anything else is a bug, and
-    keeps its traceback."""
+    says what to do (exit 2); Ctrl-C and SIGTERM in the command that continues (130, 143);
+    anything else is a bug, and keeps its traceback. The folders it holds are released at its
+    end, and SIGTERM's handler restored."""
     cfg = None
+    held, on_sigterm = set(HELD), signal.signal(signal.SIGTERM, interrupt)
     try:
         cfg, typed = configure(argv)  # None: sys.argv's
         if cfg.benchmark:
@@ -1419,11 +1623,20 @@ def main(argv=None):
     except (ConfigError, vit.CheckpointError, data.DataError, Diverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        started = cfg and cfg.out and os.path.exists(os.path.join(cfg.out, "config.json"))
-        print("\ninterrupted: " + (f"continue with: python janus_min.py --resume {q(cfg.out)}"
-                                   if started else "nothing was saved"), file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT  # SIGTERM: see interrupt
+        if cfg and cfg.reproduce:
+            then = "continue the set with: " + command(reproduce_argv(cfg, typed) +
+                                                       ["--out", cfg.out])
+        elif cfg and cfg.out and os.path.exists(os.path.join(cfg.out, "config.json")):
+            then = "continue with: " + command(["--resume", cfg.out])
+        else:
+            then = "nothing was saved"
+        print(f"\ninterrupted ({signal.Signals(signum).name}): {then}", file=sys.stderr)
+        return 128 + signum  # the shell's code of a process that a signal ended
+    finally:
+        signal.signal(signal.SIGTERM, on_sigterm)
+        release(set(HELD) - held)
 
 
 if __name__ == "__main__":

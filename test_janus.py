@@ -15,8 +15,12 @@ import pickle
 import re
 import shlex
 import shutil
+import signal
+import socket
 import statistics
 import struct
+import subprocess
+import sys
 import tarfile
 import time
 import urllib.error
@@ -1608,8 +1612,9 @@ def test_a_run_folder_is_claimed_once_and_resumed_with_its_own_flags(
     monkeypatch.setattr(jm, "load_data_and_model", load_and_start_another)
     assert jm.main(SHORT + ["--out", out]) == 2 and second == [2]
     assert f"{out} holds a run: continue it with --resume {out}" in capsys.readouterr().err
-    assert os.listdir(out) == []  # the failed start freed the folder for the same command
+    assert not os.path.exists(out)  # a failed start leaves nothing: the same command works
     monkeypatch.setattr(jm, "load_data_and_model", real_load)
+    os.mkdir(out)
     shutil.copy(tiny_run["out"] / "checkpoint.pt", out)
     assert jm.main(SHORT + ["--out", out]) == 2  # a stray checkpoint is never adopted
     assert "holds checkpoint.pt of another run" in capsys.readouterr().err
@@ -1654,6 +1659,7 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
         assert err.count("\n") == 1 and said in err, err
     weights = tmp_path / "vit.pt"  # a run from a backbone file, interrupted after task 1
     torch.save(vit.PRESETS["vit_tiny"](img_size=32, patch_size=8).state_dict(), weights)
+    original = weights.read_bytes()
     monkeypatch.chdir(tmp_path)  # the weights named by a relative path; the resume from elsewhere
     argv = _without(SHORT, "--weights") + ["--weights", "vit.pt", "--out", str(tmp_path / "w")]
     with ctrl_c_at_task(2):
@@ -1663,6 +1669,168 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
     torch.save({**sd, "head.weight": torch.zeros(3, 192)}, weights)  # another file of that name
     assert jm.main(["--resume", str(tmp_path / "w")]) == 2
     assert "the run started from the backbone" in capsys.readouterr().err
+    other = vit.PRESETS["vit_tiny"](img_size=32, patch_size=8)  # other numbers, the same size
+    other.cls_token.data += 1
+    torch.save(other.state_dict(), weights)
+    assert len(weights.read_bytes()) == len(original) and weights.read_bytes() != original
+    assert jm.main(["--resume", str(tmp_path / "w")]) == 2
+    assert "the run started from the backbone" in capsys.readouterr().err
+    weights.write_bytes(original)  # the run's file back: the run goes on
+    assert jm.main(["--resume", str(tmp_path / "w")]) == 0
+
+
+def _edit(name, change):  # the run file `name` edited as a person would: change(its content)
+    def edit(folder):
+        path = folder / name
+        if name.endswith(".pt"):
+            torch.save(change(torch.load(path, weights_only=True)), path)
+        else:
+            path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    return edit
+
+
+def _set(obj, where, value):  # obj with obj[where[0]][where[1]]... = value
+    *inner, last = where
+    functools.reduce(lambda d, k: d[k], inner, obj)[last] = value
+    return obj
+
+
+NOT_WRITTEN = "is not as this program writes it"
+EDITED = {  # id: (how a person edited the finished TINY run's folder, what the one line says)
+    "config-empty": (_edit("config.json", lambda c: {}),
+                     f"config.json {NOT_WRITTEN} (it lacks argv, config): restore it"),
+    "config-list": (_edit("config.json", lambda c: []), "(it has type list, not dict)"),
+    "config-type": (_edit("config.json", lambda c: _set(c, ["config", "k"], "eight")),
+                    "(config.k has type str, not int)"),
+    "config-seed": (_edit("config.json", lambda c: _set(c, ["config", "seeds"], [0.5])),
+                    "(config.seeds[0] has type float, not int)"),
+    "config-field": (_edit("config.json", lambda c: _set(c, ["config", "colour"], 1)),
+                     "(config has colour, which no flag sets)"),
+    "results-empty": (_edit("results.json", lambda r: {}),
+                      f"results.json {NOT_WRITTEN} (it lacks config, runs): delete it"),
+    "results-entry": (_edit("results.json", lambda r: _set(r, ["runs", 0, "task_aware"], [])),
+                      "(runs[0].task_aware has type list, not dict)"),
+    "results-foreign": (_edit("results.json", lambda r: _set(r, ["config", "k"], 16)),
+                        "results.json belongs to another run (its --k differ from config.json's)"),
+    "results-seed": (_edit("results.json", lambda r: _set(r, ["config", "seeds"], [1])),
+                     "results.json belongs to another run (its --seeds differ"),
+    "checkpoint-empty": (_edit("checkpoint.pt", lambda c: {}), f"checkpoint.pt {NOT_WRITTEN} "
+                         "(it lacks config, backbone, record, kv, heads, V, memory, prototypes, "
+                         "rng): delete it to run its seed again from its first task"),
+    "checkpoint-key": (_edit("checkpoint.pt", lambda c: _set(c, ["rng"], None)),
+                       "(rng has type NoneType, not Tensor)"),
+    "checkpoint-record": (_edit("checkpoint.pt", lambda c: _set(c, ["record", "seed"], "0")),
+                          "(record.seed has type str, not int)"),
+    "file": (None, "results.json: a file: name the run's folder, which holds its config.json"),
+    "benchmark": (lambda folder: [os.remove(folder / "config.json"),
+                                  (folder / "benchmark.json").write_text("{}")],
+                  "holds a --benchmark's timings, which have no run to continue"),
+}
+
+
+@pytest.mark.parametrize("case", EDITED)
+def test_a_run_file_a_person_edited_or_copied_gets_one_line_and_is_left_alone(
+        case, tiny_run, tmp_path, capsys):
+    """--resume on a run folder whose files a person edited, or copied from another run: each
+    file is checked in one place against its shape and the run's config, and a file that fails
+    gets one line that names it and what to do; the folder is left as it was."""
+    edit, said = EDITED[case]
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run["out"], folder)
+    if edit:
+        edit(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert jm.main(["--resume", str(folder / "results.json" if case == "file" else folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_a_live_runs_folder_is_refused(
+        tmp_path, monkeypatch, capsys):
+    """A real run, started by the script's path from another folder into a folder whose name
+    starts with a dash: while it lives (stopped), a second run on its folder is refused with its
+    pid and host; SIGTERM, a scheduler's, ends it with Ctrl-C's line and exit 143, and that line,
+    run as printed, continues the run."""
+    script = os.path.realpath(jm.__file__)
+    run = subprocess.Popen([sys.executable, script, *SHORT, "--out=-x"], cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not (tmp_path / "-x" / "checkpoint.pt").exists() and run.poll() is None:  # task 1 done
+        time.sleep(0.05)
+    run.send_signal(signal.SIGSTOP)  # live, and paused while the second run tries its folder
+    monkeypatch.chdir(tmp_path)
+    assert jm.main(SHORT + ["--out=-x"]) == 2
+    assert capsys.readouterr().err == (f"error: ./-x is in use by pid {run.pid} on "
+                                       f"{socket.gethostname()}, a live run: wait for it to end, "
+                                       "or choose another --out\n")
+    run.send_signal(signal.SIGTERM)
+    run.send_signal(signal.SIGCONT)
+    line = run.communicate()[1].splitlines()[-1]
+    assert run.returncode == 143
+    assert line == f"interrupted (SIGTERM): continue with: python {shlex.quote(script)} " \
+                   "--resume ./-x"
+    assert not (tmp_path / "-x" / "lock").exists()  # given back on the way out
+    words = shlex.split(line.split(" with: ")[1])
+    assert os.path.isfile(words[1]) and jm.main(words[2:]) == 0
+    assert [r["seed"] for r in _results(tmp_path / "-x")["runs"]] == [0]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # main's handler is main's alone
+
+
+HOLDER = """import fcntl, sys
+lock = open(sys.argv[1], "a+")
+fcntl.flock(lock, fcntl.LOCK_EX)
+lock.write("pid 7 on elsewhere")
+lock.flush()
+print("held", flush=True)
+sys.stdin.read()"""
+
+
+def test_reproduce_leaves_a_held_row_to_its_holder_and_its_interruption_names_the_set(
+        tmp_path, capsys, no_plots):
+    """While another process holds a row's folder, --reproduce runs the other rows and says so;
+    Ctrl-C prints the command that continues the set, as --resume on the set's folder does; once
+    the holder has died (SIGKILL), its lock is free, and that command takes its row."""
+    sets = tmp_path / "set"
+    (sets / "lora-gpm").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(sets / "lora-gpm" / "lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    argv = SHORT + ["--reproduce", "gr-plugin", "--out", str(sets)]
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with ctrl_c_at_task(1):  # as the other row starts
+            assert jm.main(argv) == 130
+        out, err = capsys.readouterr()
+        assert f"lora-gpm: {sets}/lora-gpm is in use by pid 7 on elsewhere: skipped" in out
+        assert "lora-gpm-gr: python " in out
+        line = err.splitlines()[-1]
+        assert line.startswith("interrupted (SIGINT): continue the set with: python ")
+        assert jm.main(["--resume", str(sets)]) == 2  # what the folder is, and the same command
+        assert capsys.readouterr().err.endswith(" with: " + line.split(" with: ")[1] + "\n")
+    finally:
+        holder.kill()
+        holder.wait()
+    words = shlex.split(line.split(" with: ")[1])
+    assert jm.configure(words[2:])[0] == jm.configure(argv)[0]  # the set, into the same folder
+    with ctrl_c_at_task(1):
+        assert jm.main(words[2:]) == 130
+    assert "lora-gpm: python " in capsys.readouterr().out  # the dead holder's row, taken
+
+
+def test_paths_as_typed_and_a_failed_start_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """~ in a path flag is the home folder, a leading dash is a path, an empty path is refused in
+    one line; a run that fails to start removes the folders it made."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.pth").write_bytes(b"")
+    cfg = jm.configure(TINY + ["--out", "~/a", "--data-dir", "~/d", "--weights", "~/w.pth"])[0]
+    assert [cfg.out, cfg.data_dir, cfg.weights] == [str(tmp_path / n) for n in ("a", "d", "w.pth")]
+    assert jm.configure(TINY + ["--out=-a"])[0].out == "./-a"
+    for name in jm.PATHS:
+        assert jm.main(TINY + [jm.flag(name), ""]) == 2
+        assert capsys.readouterr().err == f"error: {jm.flag(name)} '': an empty path: give one\n"
+    cifar = _without(_without(TINY, "--dataset"), "--tasks") + ["--dataset", "cifar100"]
+    assert jm.main(cifar + ["--data-dir", "nodata"]) == 2  # no data: the run does not start
+    assert "cifar100" in capsys.readouterr().err and not (tmp_path / "runs").exists()
 
 
 def test_a_seed_added_on_resume_runs_after_the_interrupted_one_and_the_std_is_the_sample_std(
@@ -1734,7 +1902,7 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "row": (TINY + ["--row", "3"], "--row 3: goes with --reproduce NAME"),
     "no-row": (TINY + ["--reproduce", "k", "--row", "3"], "choose one of ['k25', 'k50'"),
     "dry": (TINY + ["--dry-run"], "--dry-run: goes with --reproduce NAME"),
-    "resume": (["--resume", "{tmp}/nothing"], "nothing/config.json is missing"),
+    "resume": (["--resume", "{tmp}/nothing"], "nothing: no such folder: check the path, or start"),
     "junk": (CKPT + ["--weights", "{tmp}/junk.pth"], "junk.pth is not a checkpoint"),
     "name": (CKPT + ["--weights", "imagenet"], "--weights imagenet is neither a known name"),
     "both": (_without(CKPT, "--tasks") + ["--dataset", "cifar100", "--data-dir", "{tmp}",
