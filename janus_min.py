@@ -12,6 +12,7 @@ ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024),
 ran; GPM: Saha et al., ICLR 2021.
 """
 import argparse
+import collections
 import copy
 import hashlib
 import importlib.metadata
@@ -975,8 +976,9 @@ def run(cfg, typed):
         raise
     runs, state = previous(cfg, weights) if cfg.resume else ([], None)
     results = {"config": asdict(cfg), "environment": environment(cfg), "runs": runs}
-    train = data.thin(splits, cfg.limit_per_class, cfg.seeds[0]).train  # as many for each seed
-    print(f"{cfg.dataset}: {len(train)} training images, {cfg.tasks} tasks; "
+    per_class = collections.Counter(splits.train.targets).values()
+    train = sum(min(n, cfg.limit_per_class or n) for n in per_class)  # what each seed trains on
+    print(f"{cfg.dataset}: {train} training images, {cfg.tasks} tasks; "
           f"{describe(asdict(cfg))}; {results['environment']['precision']}; out {q(cfg.out)}")
     save = partial(save_checkpoint, cfg=cfg, weights=weights)
     seeds = [s for s in cfg.seeds if s not in {r["seed"] for r in runs}]
