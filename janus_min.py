@@ -552,8 +552,8 @@ class Diverged(Exception):
 
 def train_task(learner, t, tasks, splits, cfg, seed):
     """Task t's training: cfg.epochs epochs of train_step, a line per epoch and one every 30 s
-    within a long epoch, the first of which, at the run's start, says how long its training takes
-    at that speed. Returns the images per second of each epoch."""
+    within a long epoch, the first of which, in the run's first epoch, says how long its training
+    takes at that speed. Returns the images per second of each epoch."""
     local = torch.full((splits.num_classes,), -1, device=cfg.device)  # class id -> head's index
     local[tasks[t]] = torch.arange(len(tasks[t]), device=cfg.device)
     images = data.subset(splits.train, tasks[t])
@@ -562,7 +562,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
                               cfg.device)
     opt = adam(learner, cfg)
     speeds = []
-    estimated = t > 0 or seed != cfg.seeds[0]  # once, at the run's start
+    estimate = t == 0 and seed == cfg.seeds[0]  # in the run's first epoch, once
     for epoch in range(cfg.epochs):
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
@@ -578,8 +578,8 @@ def train_task(learner, t, tasks, splits, cfg, seed):
                 shown = time.time()
                 print(f"seed {seed} task {t + 1} epoch {epoch + 1}: {i}/{len(loader)} steps, loss "
                       f"{float(loss_sum) / seen:.4f}", flush=True)
-                if not estimated:  # at the run's start: a ViT-B on a CPU trains for days
-                    estimated, speed = True, seen / (shown - start)
+                if estimate and epoch == 0:  # at the run's start: a ViT-B on a CPU takes days
+                    estimate, speed = False, seen / (shown - start)
                     total = cfg.epochs * len(splits.train) * len(cfg.seeds)  # images to train
                     print(f"note: at {speed:.1f} img/s on {cfg.device}, the run's training "
                           f"({cfg.epochs} epoch(s) of {len(splits.train)} images, {len(cfg.seeds)} "
