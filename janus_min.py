@@ -38,9 +38,11 @@ ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024),
 ran; GPM: Saha et al., ICLR 2021.
 """
 import argparse
+import collections
 import contextlib
 import copy
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -49,6 +51,7 @@ import shlex
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -64,8 +67,13 @@ except ImportError:  # Windows: runs without the lock (README)
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
+try:  # first of the modules that import torchvision: a torchvision built for another torch fails
+    import torchvision
+except RuntimeError as e:  # e.g. "operator torchvision::nms does not exist"
+    sys.exit(f"error: torchvision {importlib.metadata.version('torchvision')} does not fit torch "
+             f"{torch.__version__} ({e}): install the two together: pip uninstall -y torch "
+             "torchvision && pip install -r requirements.txt")
 
 import data
 import vit
@@ -87,7 +95,9 @@ class Config:
     batch_size: int = _opt(None, "batch size (default: 128, Sec. 4.1; synthetic 16)")
     img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class (ours)")
-    input_range: str = _opt("unit", "unit: [0, 1], as InfLoRA's code; checkpoint: as --weights's",
+    input_range: str = _opt("unit", "the pixels' range: unit: [0, 1], as InfLoRA's code; half: "
+                            "[-1, 1], as Google's checkpoints were trained; imagenet: ImageNet's "
+                            "mean and std, as DINO's; checkpoint: the one of --weights",
                             choices=["unit", "checkpoint", "half", "imagenet"])
     # The backbone and its LoRA pairs (Sec. 3.1 and 4.1).
     model: str = _opt("vit_base", "backbone (the paper's: ViT-B/16)", choices=list(vit.PRESETS))
@@ -537,9 +547,10 @@ def run_seed(learner, record, splits, cfg, after_task):
         record["acc_matrix"].append(acc)
         record["task_aware"].append(aware)
         record["sample_acc"].append(sample)
-        print(f"task {t + 1} accuracy per task: {' '.join(f'{a:.2f}' for a in acc)}  | mean "
-              f"{sum(acc) / len(acc):.2f}  | over samples {sample:.2f}  | task-aware mean "
-              f"{sum(aware) / len(aware):.2f}  | {record['task_seconds'][-1]:.1f} s", flush=True)
+        print(f"seed {record['seed']} task {t + 1} accuracy per task: "
+              f"{' '.join(f'{a:.2f}' for a in acc)}  | mean {sum(acc) / len(acc):.2f}  | over "
+              f"samples {sample:.2f}  | task-aware mean {sum(aware) / len(aware):.2f}  | "
+              f"{record['task_seconds'][-1]:.1f} s", flush=True)
         record_analyses(record, learner, t, factors, memory, splits, cfg)
         after_task(learner, record)
 
@@ -578,7 +589,8 @@ class Diverged(Exception):
 
 def train_task(learner, t, tasks, splits, cfg, seed):
     """Task t's training: cfg.epochs epochs of train_step, a line per epoch and one every 30 s
-    within a long epoch. Returns the images per second of each epoch."""
+    within a long epoch, the first of which, in the run's first epoch, says how long its training
+    takes at that speed. Returns the images per second of each epoch."""
     local = torch.full((splits.num_classes,), -1, device=cfg.device)  # class id -> head's index
     local[tasks[t]] = torch.arange(len(tasks[t]), device=cfg.device)
     images = data.subset(splits.train, tasks[t])
@@ -587,6 +599,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
                               cfg.device)
     opt = adam(learner, cfg)
     speeds = []
+    estimate = t == 0 and seed == cfg.seeds[0]  # in the run's first epoch, once
     for epoch in range(cfg.epochs):
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
@@ -600,16 +613,22 @@ def train_task(learner, t, tasks, splits, cfg, seed):
             seen += len(y)
             if time.time() - shown > 30:
                 shown = time.time()
-                print(f"task {t + 1} epoch {epoch + 1}: {i}/{len(loader)} steps, loss "
+                print(f"seed {seed} task {t + 1} epoch {epoch + 1}: {i}/{len(loader)} steps, loss "
                       f"{float(loss_sum) / seen:.4f}", flush=True)
+                if estimate and epoch == 0:  # at the run's start: a ViT-B on a CPU takes days
+                    estimate, speed = False, seen / (shown - start)
+                    total = cfg.epochs * len(splits.train) * len(cfg.seeds)  # images to train
+                    print(f"note: at {speed:.1f} img/s on {cfg.device}, the run's training "
+                          f"({cfg.epochs} epoch(s) of {len(splits.train)} images, {len(cfg.seeds)} "
+                          f"seed(s)) takes about {duration(total / speed)}", flush=True)
         loss = float(loss_sum) / seen
         if not math.isfinite(loss):  # a diverged run must not go on to write results
             raise Diverged(f"task {t + 1} epoch {epoch + 1}: the loss is {loss}; lower --lr and "
                            "start again with another --out")
         speeds.append(seen / (time.time() - start))
-        print(f"task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss {loss:.4f}  "
-              f"train acc {100.0 * float(correct) / seen:5.2f}%  {speeds[-1]:7.1f} img/s",
-              flush=True)
+        print(f"seed {seed} task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss "
+              f"{loss:.4f}  train acc {100.0 * float(correct) / seen:5.2f}%  "
+              f"{speeds[-1]:7.1f} img/s", flush=True)
     return speeds
 
 
@@ -781,6 +800,14 @@ def fmt(value, spec=".2f"):
     return "-" if value is None else format(value, spec)
 
 
+def duration(seconds):
+    """A time span in the largest unit of which two have passed: 45 s, 2.5 min, 6.1 days."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 # ==== 4. The program: flags, the run folder and resume, results, plots, --benchmark, --reproduce ==
 # --method NAME: its flags, and its name in the paper's tables.
 METHODS = {"janus": ("", "Janus-LoRA"),
@@ -822,7 +849,8 @@ def parser():
     """argparse's parser of Config's fields; what it returns holds only the flags typed."""
     p = argparse.ArgumentParser(prog="janus_min.py", description=__doc__.split("\n\n")[0],
                                 epilog=EXAMPLES, argument_default=argparse.SUPPRESS,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # a prefix is no flag: --seed is not --seeds
     choices = {"method": list(METHODS), "reproduce": list(REPRODUCE)}
     for f in fields(Config):
         kw = dict(f.metadata)
@@ -907,7 +935,10 @@ def check(cfg):
     device = re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device)
     rows = REPRODUCE[cfg.reproduce][1] if cfg.reproduce else {}
     first, last = cfg.gpm_threshold
+    floats = [f.name for f in fields(Config) if float in (f.type, f.metadata.get("type"))]
     checks = [  # (flag, whether its value can run, what to say of it)
+        *[(name, torch.tensor(getattr(cfg, name), dtype=torch.float64).isfinite().all(),
+           "must be finite") for name in floats],  # argparse takes inf and nan
         *[(name, getattr(cfg, name) > 0, "must be positive")
           for name in ("lr", "tau", "lora_scale", "delta", "oe_lr")],
         *[(name, getattr(cfg, name) >= 0, "must be 0 or more")
@@ -980,6 +1011,7 @@ def describe(c):
 # ---- The run folder: config.json at its start, checkpoint.pt after each task, results.json -------
 def run(cfg, typed):
     """A run in its folder: every seed not finished yet, then the summary and the plots."""
+    started = time.time()
     cfg.out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-"
                                                     f"{time.strftime('%Y%m%d-%H%M%S')}")
     if holder := hold(cfg.out):
@@ -996,7 +1028,9 @@ def run(cfg, typed):
     source = backbone_file(weights)  # once: it hashes the file
     runs, state = previous(cfg, source) if cfg.resume else ([], None)
     results = {"config": asdict(cfg), "environment": environment(cfg), "runs": runs}
-    print(f"{cfg.dataset}: {len(splits.train)} training images, {cfg.tasks} tasks; "
+    per_class = collections.Counter(splits.train.targets).values()
+    train = sum(min(n, cfg.limit_per_class or n) for n in per_class)  # what each seed trains on
+    print(f"{cfg.dataset}: {train} training images, {cfg.tasks} tasks; "
           f"{describe(asdict(cfg))}; {results['environment']['precision']}; out {q(cfg.out)}")
     save = partial(save_checkpoint, cfg=cfg, backbone=source)
     seeds = [s for s in cfg.seeds if s not in {r["seed"] for r in runs}]
@@ -1011,8 +1045,9 @@ def run(cfg, typed):
         write_json(os.path.join(cfg.out, "results.json"), {**results, "summary": summarize(runs)})
     results["summary"] = summarize(runs)
     print_summary(results)
-    plot(results, cfg.out)
-    print(f"wrote {q(os.path.join(cfg.out, 'results.json'))}")
+    written = [os.path.join(cfg.out, "results.json"), *plot(results, cfg.out)]
+    print(f"wrote {' '.join(map(q, written))}")
+    print(f"done in {duration(time.time() - started)}")
     return 0
 
 
@@ -1297,13 +1332,32 @@ def write_file(path, text):
 
 
 def environment(cfg):
-    """Where results.json's numbers come from, and the precision they ran in: bf16 autocast is
-    CUDA's, so a CPU runs in fp32 whatever --precision says."""
+    """Where results.json's numbers come from: the versions, the device, the code; and the
+    precision they ran in: bf16 autocast is CUDA's, so a CPU runs in fp32 whatever --precision
+    says."""
     cuda = cfg.device.startswith("cuda")
     cpu = f"cpu ({torch.get_num_threads()} threads)"
     device = torch.cuda.get_device_name(cfg.device) if cuda else cpu
     return {"torch": torch.__version__, "torchvision": torchvision.__version__, "device": device,
-            "precision": f"{cfg.device} {cfg.precision if cuda else 'fp32'}"}
+            "precision": f"{cfg.device} {cfg.precision if cuda else 'fp32'}",
+            "code": code_version()}
+
+
+def code_version():
+    """The code that ran: the SHA-256 of janus_min.py, vit.py and data.py, and git's commit of
+    their folder, '-dirty' with changes not committed (None outside git, or without git)."""
+    digest = hashlib.sha256()
+    for path in (__file__, vit.__file__, data.__file__):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
+                             cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                             text=True)
+        commit = git.stdout.strip() if git.returncode == 0 else None
+    except OSError:  # no git on this machine
+        commit = None
+    return {"sha256": digest.hexdigest(), "git": commit}
 
 
 # ---- Results: results.json's entries and the summary ---------------------------------------------
@@ -1350,21 +1404,24 @@ def print_summary(results):
 # ---- Plots, with matplotlib where it is installed ------------------------------------------------
 def plot(results, out):
     """trajectory.png (Fig. 5) of all seeds; violation.png (Fig. 2) and angular.png (Fig. 3) of the
-    first seed."""
+    first seed. Returns their paths (none without matplotlib)."""
     try:
         from matplotlib.figure import Figure  # not pyplot: no window, no global state
     except ImportError:
-        return print("matplotlib is not installed: no plots (results.json has the numbers)")
-    c, runs = results["config"], results["runs"]
+        print("matplotlib is not installed: no plots (results.json has the numbers)")
+        return []
+    c, runs, paths = results["config"], results["runs"], []
     for draw in (plot_trajectory, plot_violation, plot_angular):
-        fig = Figure(figsize=(11, 4.4), layout="constrained")
+        fig = Figure(figsize=(13, 4.4), layout="constrained")
         seed = "" if draw is plot_trajectory else f", seed {runs[0]['seed']}"
         fig.suptitle(f"{c['dataset']}, T={c['tasks']}, {describe(c)}{seed}", fontsize=9)
         draw(fig, runs)
-        for ax in fig.axes:  # a legend where there is something to name
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-        fig.savefig(os.path.join(out, draw.__name__.removeprefix("plot_") + ".png"), dpi=120)
+        for ax in fig.axes:  # a legend where there is something to name, beside the panel: on
+            if ax.get_legend_handles_labels()[0]:  # it, it would cover bars or points
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+        paths.append(os.path.join(out, draw.__name__.removeprefix("plot_") + ".png"))
+        fig.savefig(paths[-1], dpi=120)
+    return paths
 
 
 def plot_trajectory(fig, runs):
@@ -1397,8 +1454,12 @@ def plot_violation(fig, runs):
             x = [b + 0.8 + 0.4 * j for b in range(len(means))]
             if any(m is not None for m in means):
                 ax.bar(x, [m or 0 for m in means], 0.4, label=n.upper())
-        right.plot(x, [mean(col) for col in zip(*[i["current"][j::2] for i in inter])], "k_",
-                   ms=9, label=f"{n.upper()} on the current task's inputs (reference)")
+        right.plot(x, [mean(col) for col in zip(*[i["current"][j::2] for i in inter])],
+                   "k" + "_x"[j], ms=7,  # K's mark a dash, V's a cross
+                   label=f"{n.upper()} on the current task's inputs (reference)")
+    if not left.patches:  # no bar: every violation undefined
+        left.text(0.5, 0.5, "nothing to measure:\nno memory M (Fine-Tuning keeps none),\nor no "
+                  "update", transform=left.transAxes, ha="center", va="center")
     for ax, name, ylabel in (
             (left, "against the memory M", "share of the update on M: ||dW M|| / ||dW||"),
             (right, "on the past tasks' test inputs X",
@@ -1419,16 +1480,17 @@ def plot_angular(fig, runs):
     left, right = fig.subplots(1, 2)
     t, g = tasks[-1]
     values = g["cos_old"] + g["cos_own"] + [0.5]  # the danger zone's line stays in view
-    lims = (max(-1, min(values) - 0.05), min(1, max(values) + 0.05))  # cosines: in [-1, 1]
+    lims = (min(values) - 0.05, max(values) + 0.05)  # past the points: a cosine of 1 stays whole
     left.scatter(g["cos_old"], g["cos_own"], s=6, alpha=0.5)
     left.plot(lims, lims, "k--", lw=0.8, label=f"below: closer to old, {g['closer_to_old']:.3f}")
     left.axvline(0.5, color="red", ls="--", label=f"danger zone, {g['danger']:.3f}")
     left.set(xlabel="cos_old: largest cosine to an old prototype", xlim=lims, ylim=lims,
              ylabel="cos_own: cosine to its own prototype", title=f"task {t}'s test samples")
     width = 2 / len(g["hist"])  # dml_geometry's bins over [-1, 1]
-    for t, g in tasks:
-        right.plot([-1 + width * (i + 0.5) for i in range(len(g["hist"]))], g["hist"], "o-",
-                   ms=3, label=f"task {t}")
+    for k, (t, g) in enumerate(tasks):  # each its marker and line style: equal lines stay seen
+        right.plot([-1 + width * (i + 0.5) for i in range(len(g["hist"]))], g["hist"],
+                   marker="osD^v<>"[k % 7], ls=("-", "--", ":", "-.")[k % 4], mfc="none", ms=5,
+                   label=f"task {t}")
     right.set(xlabel="cos_old", ylabel="share of the task's test samples", title="cos_old per task")
     fig.supxlabel("prototype: a class's mean unit feature; danger zone (the paper's Fig. 3): "
                   "cos_old > 0.5, a sample close to an old class", fontsize=8)
@@ -1557,6 +1619,8 @@ def reproduce(cfg, typed):
             continue
         try:
             run(*configure(argv))
+        except (ConfigError, vit.CheckpointError, data.DataError, Diverged) as e:
+            raise type(e)(f"row {row}: {without_fixes(str(e), rows[row])}") from None
         finally:  # once a row has run, --resume OUT names the command that continues the set
             if os.path.exists(os.path.join(folder, "config.json")):
                 write_json(os.path.join(out, "reproduce.json"),
@@ -1588,6 +1652,14 @@ def write_table(cfg, out, rows):
     text = "\n".join(lines)
     write_file(os.path.join(out, "table.md"), text + "\n")
     print(f"{text}\nwrote {q(os.path.join(out, 'table.md'))}")
+
+
+def without_fixes(message, flags):
+    """An error's message without the fixes (", or ..." clauses) that name one of a row's own flags,
+    which the user cannot change for that row."""
+    said, *fixes = message.split(", or ")
+    own = [rf"{flag(name)}\b" for name in parse(flags.split())[1]]
+    return ", or ".join([said, *[f for f in fixes if not any(re.search(r, f) for r in own)]])
 
 
 def reproduce_argv(cfg, typed):

@@ -6,8 +6,11 @@ import copy
 import dataclasses
 import functools
 import gzip
+import hashlib
+import importlib.metadata
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -1483,7 +1486,7 @@ def ctrl_c_at_task(t):  # Ctrl-C as task t (from 1) starts: after the checkpoint
 
 @pytest.fixture
 def no_plots(monkeypatch):  # matplotlib's drawing is half of a short run's time
-    monkeypatch.setattr(jm, "plot", lambda results, out: None)
+    monkeypatch.setattr(jm, "plot", lambda results, out: [])
 
 
 @pytest.fixture(scope="module")
@@ -1524,7 +1527,8 @@ def test_end_to_end_results_lr_memory_and_learning(tiny_run):
     assert all(0 < v < 0.2 for v in r["violation"]["k"][2])  # GR keeps the update off M
     assert r["interference"][0] is None and len(r["interference"][2]["past"]) == 24
     assert 0 <= r["geometry"][2]["danger"] <= 1 and len(r["task_seconds"]) == 3
-    assert all(s in tiny_run["log"] for s in ("task 3/3 epoch 2/2", "img/s", "Janus-LoRA;"))
+    assert all(s in tiny_run["log"] for s in ("seed 0 task 3/3 epoch 2/2", "img/s", "Janus-LoRA;",
+                                              "seed 0 task 3 accuracy per task: "))
     steps = len(tiny_run["lr"]) // 6  # 3 tasks x 2 epochs
     assert tiny_run["lr"] == pytest.approx([5e-3 * jm.lr_factor(e, 2, "inflora") for _ in range(3)
                                             for e in range(2) for _ in range(steps)])
@@ -1862,14 +1866,21 @@ def test_a_seed_added_on_resume_runs_after_the_interrupted_one_and_the_std_is_th
 
 
 def test_progress_comes_every_30_s_and_a_nan_loss_stops_the_run(tmp_path, monkeypatch, capsys):
-    """A line every 30 s within an epoch; a diverged loss: one line, what to do, exit 2."""
+    """A line every 30 s within an epoch, the first with the run's time at that speed; the
+    training images a seed has; a diverged loss: one line, what to do, exit 2."""
     clock = iter(range(0, 10**6, 20))  # 20 s a reading
     monkeypatch.setattr(jm, "time", SimpleNamespace(time=lambda: next(clock),
                                                     strftime=time.strftime))
-    argv = _without(SHORT, "--lr") + ["--lr", "1e30", "--out", str(tmp_path)]
-    assert jm.main(argv) == 2
+    argv = _without(_without(SHORT, "--lr"), "--epochs") + ["--lr", "1e30", "--epochs", "2",
+                                                            "--seeds", "0", "1"]
+    assert jm.main(argv + ["--out", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
-    assert re.search(r"^task 1 epoch 1: \d/3 steps, loss [\d.na]+$", out, re.M)
+    assert re.search(r"^seed 0 task 1 epoch 1: \d/3 steps, loss [\d.na]+$", out, re.M)
+    assert "synthetic: 96 training images, 2 tasks" in out  # --limit-per-class 8 of 24 a class
+    # 32 images in the 60 s between two readings: 2 x 2 x 96 images at 32/60 img/s take 720 s
+    assert re.findall("^note: at .*", out, re.M) == [
+        "note: at 0.5 img/s on cpu, the run's training (2 epoch(s) of 96 images, 2 seed(s)) takes "
+        "about 12.0 min"]
     assert "lower --lr and start again with another --out" in err and err.count("\n") == 1
 
 
@@ -1884,7 +1895,7 @@ def bad_files(tmp_path_factory):
 CKPT = _without(TINY, "--patch-size") + ["--patch-size", "16"]  # the checkpoints are ViT-*/16
 BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files folder
     "lr": (TINY + ["--lr", "-1"], "--lr -1.0: must be positive"),
-    "nan": (TINY + ["--margin", "nan"], "--margin nan: must be 0 or more"),
+    "nan": (TINY + ["--margin", "nan"], "--margin nan: must be finite"),
     "epochs": (TINY + ["--epochs", "0"], "error: --epochs 0: must be 1 or more\n"),
     "limit": (TINY + ["--limit-per-class", "0"], "--limit-per-class 0: must be 1 or more"),
     "rank": (TINY + ["--rank", "500"], "--rank 500: must lie in 1..192"),
@@ -1952,6 +1963,12 @@ def test_help_notes_and_the_default_workers(capsys, monkeypatch):
     for f in dataclasses.fields(jm.Config):
         assert (f"--no-{f.name}" if f.type is bool and f.default else jm.flag(f.name)) in out
     assert re.search(r"--no-oe\s+turn off Online Estimation", out)
+    for said in ("half: [-1, 1], as Google's checkpoints were trained",
+                 "imagenet: ImageNet's mean and std, as DINO's"):  # what each --input-range is
+        assert said in " ".join(out.split())
+    with pytest.raises(SystemExit):  # a flag's prefix is no flag: --seed is not --seeds
+        jm.configure(["--seed", "3", "--device", "cpu"])
+    assert "unrecognized arguments: --seed 3" in capsys.readouterr().err
     for argv, moot in ((["--no-oe", "--k", "8"], "--k"), (["--precision", "bf16"], "--precision"),
                        (["--method", "finetune", "--k", "8", "--margin", "0.1"], "--k --margin"),
                        (["--no-gr", "--delta", "1e-3"], "--delta"), (["--steps", "3"], "--steps"),
@@ -1974,6 +1991,46 @@ def test_help_notes_and_the_default_workers(capsys, monkeypatch):
     assert jm.configure(["--device", "cpu"])[0].workers == 1
 
 
+def test_every_float_flag_refuses_inf_and_nan():
+    """argparse takes inf and nan for a float: each float flag refuses them, in one line."""
+    floats = [f for f in dataclasses.fields(jm.Config) if float in (f.type, f.metadata.get("type"))]
+    assert {"tau", "margin", "lora_scale", "delta", "oe_lr", "gpm_threshold"} <= {
+        f.name for f in floats}
+    for f, value in itertools.product(floats, ("inf", "nan")):
+        argv = [jm.flag(f.name)] + [value] * f.metadata.get("nargs", 1)
+        with pytest.raises(jm.ConfigError, match=rf"^{jm.flag(f.name)} {value}.*: must be finite"):
+            jm.configure(TINY + argv)
+
+
+def test_a_torchvision_built_for_another_torch_gets_one_line(tmp_path):
+    """The import that fails on a torch/torchvision pair from two indexes: one line, both versions
+    and the fix, and a non-zero exit."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))  # the broken torchvision first
+    done = subprocess.run([sys.executable, jm.__file__, "--help"], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode != 0 and done.stdout == "" and done.stderr.count("\n") == 1
+    for said in (f"torchvision {importlib.metadata.version('torchvision')} ",
+                 f"torch {torch.__version__} ", "torchvision::nms does not exist",
+                 "pip uninstall -y torch torchvision && pip install -r requirements.txt"):
+        assert said in done.stderr
+
+
+def test_a_rows_own_flag_is_never_suggested_as_the_fix(tmp_path, monkeypatch, capsys):
+    """Offline, a row of --reproduce backbones is told where its checkpoint goes, not to pass
+    --weights, which each row sets; a run of one's own is offered --weights too."""
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    argv = _without(CKPT, "--weights") + ["--out", str(tmp_path / "row")]
+    assert jm.main(argv + ["--reproduce", "backbones", "--row", "in21k"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"put it at {tmp_path}/checkpoints/" in err
+    assert "--weights" not in err
+    assert jm.main(argv + ["--weights", "in21k"]) == 2
+    assert "put it at" in (err := capsys.readouterr().err) and "--weights none" in err
+
+
 @pytest.mark.parametrize("flags, mean_std", [
     ([], (0.0, 1.0)), (["--input-range", "half"], vit.MEAN_STD["half"]),
     (["--input-range", "checkpoint", "--weights", "dino"], vit.MEAN_STD["imagenet"])])
@@ -1990,9 +2047,10 @@ def test_input_range_reaches_the_data(monkeypatch, flags, mean_std):
     assert got == [tuple(mean_std)]
 
 
-def test_plots_stand_on_their_own(tiny_run, tmp_path):
-    """Each plot names what it shows: every block numbered, the danger zone in view and cosines
-    within [-1, 1], no band for one seed; with one task, a sentence, not empty panels."""
+def test_plots_stand_on_their_own(tiny_run, tmp_path, monkeypatch):
+    """Each plot names what it shows: every block numbered, K's and V's marks told apart, an empty
+    panel said why, the danger zone and every point inside the frame, each density line seen, no
+    band for one seed, no legend on a panel; with one task, a sentence, not empty panels."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
     runs = tiny_run["res"]["runs"]
@@ -2001,13 +2059,23 @@ def test_plots_stand_on_their_own(tiny_run, tmp_path):
     left, right = fig.axes
     assert [t.get_text() for t in left.get_xticklabels()] == [str(b) for b in range(1, 13)]
     assert left.get_title() != right.get_title() and "||dW M||" in left.get_ylabel()
-    assert "M: the memory" in fig.get_supxlabel()
-    for cosines in ([0.1, 0.2, 0.25], [-0.99, 0.3, 0.999]):  # all safe; near the ends
+    assert "M: the memory" in fig.get_supxlabel() and not left.texts
+    marks = [line.get_marker() for line in right.lines if "reference" in line.get_label()]
+    assert len(marks) == len(set(marks)) == 2  # K's and V's
+    fig = Figure()  # Fine-Tuning's: no memory, every violation undefined
+    jm.plot_violation(fig, [dict(runs[0], violation={n: [[None] * 12] * 3 for n in "kv"})])
+    assert not fig.axes[0].patches
+    assert any("nothing to measure" in t.get_text() for t in fig.axes[0].texts)
+    for cosines in ([0.1, 0.2, 0.25], [-0.99, 0.3, 0.999], [1.0, 1.0, 1.0]):  # safe; ends; corner
         g = dict(runs[0]["geometry"][-1], cos_old=cosines, cos_own=cosines)
         fig = Figure()
-        jm.plot_angular(fig, [dict(runs[0], geometry=[None, g])])
-        lo, hi = fig.axes[0].get_xlim()
-        assert -1 <= lo < 0.5 < hi <= 1 and any("danger zone" in t.get_text() for t in fig.texts)
+        jm.plot_angular(fig, [dict(runs[0], geometry=[None, g, g])])  # two equal densities
+        for lo, hi in (fig.axes[0].get_xlim(), fig.axes[0].get_ylim()):
+            margin = 0.02 * (hi - lo)  # a point's marker stays whole inside the frame
+            assert lo + margin < min(cosines) and max(cosines) < hi - margin and lo < 0.5 < hi
+        assert any("danger zone" in t.get_text() for t in fig.texts)
+        styles = [(line.get_marker(), line.get_linestyle()) for line in fig.axes[1].lines]
+        assert len(styles) == len(set(styles)) == 2
     fig = Figure()
     jm.plot_trajectory(fig, runs)
     assert all("min-max" not in label for label in fig.axes[0].get_legend_handles_labels()[1])
@@ -2016,8 +2084,37 @@ def test_plots_stand_on_their_own(tiny_run, tmp_path):
         fig = Figure()
         draw(fig, one_task)
         assert not fig.axes and "nothing to show" in fig.texts[0].get_text()
-    assert all((tiny_run["out"] / f"{name}.png").exists() for name in
-               ("trajectory", "violation", "angular"))
+    names = [tiny_run["out"] / f"{name}.png" for name in ("trajectory", "violation", "angular")]
+    assert all(path.exists() for path in names)
+    drawn = []  # plot's figures as it saves them: each legend beside its panel, covering nothing
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kwargs: drawn.append(fig))
+    assert jm.plot(tiny_run["res"], str(tmp_path)) == [str(tmp_path / p.name) for p in names]
+    for fig in drawn:
+        fig.draw_without_rendering()
+        for ax in fig.axes:
+            assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
+
+
+def test_the_last_lines_name_the_files_and_the_time_and_results_the_code(tiny_run, tmp_path,
+                                                                         monkeypatch):
+    """The run's last lines: every file it wrote, and its time; results.json: the code's hash,
+    and git's commit where there is one, none without git."""
+    files = ["results.json"] + (["trajectory.png", "violation.png", "angular.png"]
+                                if importlib.util.find_spec("matplotlib") else [])
+    wrote, done = tiny_run["log"].splitlines()[-2:]
+    assert wrote == "wrote " + " ".join(shlex.quote(str(tiny_run["out"] / f)) for f in files)
+    assert re.fullmatch(r"done in \d+ s|done in \d+\.\d (min|h|days)", done)
+    assert [jm.duration(s) for s in (45, 90, 150, 7200, 6.1 * 86400)] == [
+        "45 s", "90 s", "2.5 min", "2.0 h", "6.1 days"]
+    code = tiny_run["res"]["environment"]["code"]
+    digest = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (jm, vit, data)))
+    assert code["sha256"] == digest.hexdigest()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(jm.__file__).parent,
+                          capture_output=True, text=True) if shutil.which("git") else None
+    if head and head.returncode == 0:  # a clone: its commit, '-dirty' with changes
+        assert re.fullmatch(head.stdout.strip() + "(-dirty)?", code["git"])
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on this machine
+    assert jm.code_version() == dict(code, git=None)
 
 
 @pytest.mark.parametrize("method", ["inflora", "finetune"])

@@ -225,7 +225,7 @@ def _download(model, source):
     url = URLS[source].get(model.embed_dim)
     if url is None or model.patch_size != 16:  # in21k in three widths, the others B/16 only
         raise CheckpointError(f"no '{source}' weights for a ViT of width {model.embed_dim}, "
-                              f"patch {model.patch_size}; use a matching preset or " + _ELSE)
+                              f"patch {model.patch_size}; use a matching preset, or " + _ELSE)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(url))
     if not os.path.isfile(path):
         try:
