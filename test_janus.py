@@ -1249,6 +1249,31 @@ def test_train_step_never_syncs_with_the_host_on_cuda(variant, compile):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("variant", list(STEP_VARIANTS))
+def test_every_variants_mid_run_learner_and_step_on_a_cpu(variant):
+    """The CUDA test's learners and steps on a CPU: a memory of m columns a block where OE is on
+    (GPM's too), V off it where OE runs, each layer's M what it protects; the steps are finite,
+    train the current head and keep the memory and the old prototypes."""
+    learner, step = _step_of(STEP_VARIANTS[variant], "cpu")
+    cfg = dataclasses.replace(jm.Config(), **STEP_VARIANTS[variant])
+    assert [M.shape for M in learner.memory] == [(192, 16 if cfg.oe else 0)] * 12
+    if learner.oe is not None:
+        leaks = [float((M.T @ V).abs().max()) for M, V in zip(learner.memory, learner.oe.V)]
+        assert max(leaks) < 1e-5
+
+    def follows():  # each layer's M: what protected() says now (under M = V: V as it moves)
+        M = jm.protected(learner, cfg)
+        return all(torch.equal(layer.M, M[j // 2])
+                   for j, layer in enumerate(jm.lora_layers(learner.model)))
+    before = copy.deepcopy((learner.memory, learner.prototypes, learner.heads[-1].weight))
+    assert follows()
+    losses = [float(step()[0]) for _ in range(2)]
+    assert all(math.isfinite(loss) for loss in losses) and follows()
+    assert all(torch.equal(a, b) for a, b in zip(before[0], learner.memory))
+    assert torch.equal(before[1], learner.prototypes)
+    assert not torch.equal(before[2], learner.heads[-1].weight)
+
+
 def test_compiled_blocks_give_the_same_steps_on_every_torch_admitted(monkeypatch):
     """--compile: the plain model's steps (TorchDynamo traces the blocks, its eager backend runs
     them) as the memory grows; the dynamo setting it makes has its name in torch 2.4 too."""
