@@ -925,17 +925,18 @@ def test_bf16_autocast_keeps_the_method_in_float32(device):
     assert torch.equal(subs[0].V, subs[1].V)
 
 
-def _oe_oracle(V, X, M, t, products):
+def _oe_oracle(V, X, M, t, products, lr=1.0, decay=5):
     """One OE step (Eqs. (8)-(10) as we read them) in float64, dense, with the products X V and
     X^T (X V) rounded to `products`: X_p = X (I - M M^T); a step on (1/2) ||X_p - X_p V V^T||^2
-    preconditioned by S = V^T X_p^T X_p V, at eta = 5 / (5 + t); QR with R's diagonal > 0; off M."""
+    preconditioned by S = V^T X_p^T X_p V, at eta = lr decay / (decay + t) (--oe-lr,
+    --oe-decay-steps); QR with R's diagonal > 0; off M."""
     P = torch.eye(len(M), dtype=torch.float64) - M @ M.T
     XV = (X.to(products) @ V.to(products)).double()
     C = P @ (X.to(products).T @ XV.to(products)).double()  # X_p^T X_p V
     S = XV.T @ XV
     S = S + (1e-6 * S.diagonal().mean() + torch.finfo(S.dtype).tiny) * torch.eye(len(S))
     grad = -(C - V @ (V.T @ C)) @ torch.linalg.inv(S)
-    Q, R = torch.linalg.qr(V - 5 / (5 + t) * grad)
+    Q, R = torch.linalg.qr(V - lr * decay / (decay + t) * grad)
     return P @ (Q * R.diagonal().sign())
 
 
@@ -1667,6 +1668,399 @@ def test_progress_comes_every_30_s_and_a_nan_loss_stops_the_run(tmp_path, monkey
     out, err = capsys.readouterr()
     assert re.search(r"^task 1 epoch 1: \d/3 steps, loss [\d.na]+$", out, re.M)
     assert "lower --lr and start again with another --out" in err and err.count("\n") == 1
+
+
+# ---- The wiring, in a small world: a 2-block ViT-Ti, 16 px images, and the synthetic set with a
+# training transform of its own (its images land in [10, 11], the others' in [0, 1]), so that each
+# pass over the data shows which transform it saw. _watch records what a run did.
+SMALL = _without(_without(TINY, "--img-size"), "--epochs") + [
+    "--img-size", "16", "--epochs", "4", "--limit-per-class", "4"]  # a step of 16 images an epoch
+
+
+@contextlib.contextmanager
+def _small_world():
+    real = data._transforms
+
+    def transforms(name, img_size, mean, std):
+        tfs, (train, test) = real(name, img_size, mean, std)
+        return tfs, (train._replace(mean=-10.0), test)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(vit.PRESETS, "vit_tiny", functools.partial(vit.PRESETS["vit_tiny"], depth=2))
+        mp.setattr(data, "_transforms", transforms)
+        mp.setattr(jm, "plot", lambda results, out: None)
+        yield mp
+
+
+def _tensors(learner):  # every tensor a learner holds, by name
+    named = {**learner.model.state_dict(), "prototypes": learner.prototypes,
+             **{f"heads.{k}": v for k, v in learner.heads.state_dict().items()},
+             **{f"memory.{i}": M for i, M in enumerate(learner.memory)}}
+    if learner.oe is not None:
+        named["V"] = learner.oe.V
+    return {k: v.clone() for k, v in named.items()}
+
+
+def _watch(argv, stop_at=None):
+    """argv run in the small world (stop_at: Ctrl-C as that task starts), and what it did: each
+    pass over the data as (task, phase, transform, images), the tensors each phase of a task
+    changed, each step's lr (per param group), loss and the M it protected, the values that reached
+    the code the flags name, and each checkpoint."""
+    seen = {k: [] for k in ("passes", "changed", "lr", "loss", "protects", "dml", "delta", "gr",
+                            "threshold", "inflora_a", "datasets", "thin", "loaders", "weights",
+                            "learners", "checkpoints")}
+    now = {"task": None, "phase": None}  # the task and the phase under way
+    real = {name: getattr(jm, name) for name in (*PHASES, "train_step", "dml_loss", "run_seed",
+                                                 "rectify_factors", "rectify_gradients_",
+                                                 "rectify_updates_", "gpm_extend", "inflora_a",
+                                                 "save_checkpoint")}
+    real_data = {name: getattr(data, name) for name in ("load_dataset", "thin", "make_loader")}
+    real_encode, real_load = vit.VisionTransformer.encode, vit.load_pretrained
+
+    def phase(name):
+        def call(*args):
+            if name == "start_task":
+                now["task"] = args[1]
+            learner, now["phase"] = seen["learners"][-1], name
+            before = _tensors(learner)
+            out = real[name](*args)
+            now["phase"] = None
+            seen["changed"].append((now["task"], name, changed(before, _tensors(learner))))
+            return out
+        return call
+
+    def changed(a, b):
+        return {k for k in a.keys() | b.keys() if k not in a or k not in b
+                or not torch.equal(a[k], b[k])}
+
+    def encode(model, images):
+        kind = "train" if images.min() >= 10 else "test" if images.max() <= 1 else "neither"
+        seen["passes"].append((now["task"], now["phase"], kind, len(images)))
+        return real_encode(model, images)
+
+    def train_step(learner, opt, images, y, cfg):
+        head, layers, M = copy.deepcopy(learner.heads[-1]), jm.lora_layers(learner.model), {}
+        M["memory"] = learner.memory
+        M["V"] = learner.oe.V if learner.oe is not None else None
+        seen["protects"].append([name for name, Ms in M.items() if Ms is not None and all(
+            torch.equal(layer.M, Ms[j // 2]) for j, layer in enumerate(layers))])
+        seen["lr"].append((now["task"], [group["lr"] for group in opt.param_groups]))
+        calls = len(seen["dml"])
+        loss, right = real["train_step"](learner, opt, images, y, cfg)
+        if len(seen["dml"]) > calls:  # the loss, Eq. (12): CE + lambda DML, at the step's start
+            with torch.no_grad():
+                ce = F.cross_entropy(head(last["z"]), last["y"])
+            seen["loss"].append((float(loss), float(ce), float(last["dml"])))
+        return loss, right
+
+    last = {}
+
+    def dml_loss(z, y, old, margin, tau, num_classes):
+        out = real["dml_loss"](z, y, old, margin, tau, num_classes)
+        last.update(z=z.detach(), y=y, dml=out.detach())
+        seen["dml"].append((margin, tau))
+        return out
+
+    def record(name, key, value=lambda *args: args):  # a callee that records value(*its args)
+        def call(*args, **kwargs):
+            seen[key].append(value(*args, **kwargs))
+            return (real.get(name) or real_data.get(name))(*args, **kwargs)
+        return call
+
+    def save_checkpoint(learner, record, cfg, weights):
+        real["save_checkpoint"](learner, record, cfg, weights)
+        seen["checkpoints"].append(torch.load(Path(cfg.out) / "checkpoint.pt", weights_only=True))
+
+    def load_pretrained(model, source):
+        seen["weights"].append(source)
+        return real_load(model, source)
+    spies = {**{name: phase(name) for name in PHASES}, "train_step": train_step,
+             "dml_loss": dml_loss, "save_checkpoint": save_checkpoint,
+             "run_seed": record("run_seed", "learners", lambda learner, *args: learner),
+             "rectify_factors": record("rectify_factors", "delta", lambda *args: args[-1]),
+             "rectify_gradients_": record("rectify_gradients_", "gr", lambda *a: "gradients"),
+             "rectify_updates_": record("rectify_updates_", "gr", lambda *a: "updates"),
+             "gpm_extend": record("gpm_extend", "threshold", lambda M, C, h: (now["task"], h)),
+             "inflora_a": record("inflora_a", "inflora_a", lambda *args: now["task"])}
+    data_spies = {"load_dataset": record("load_dataset", "datasets"),
+                  "thin": record("thin", "thin", lambda splits, *args: args),
+                  "make_loader": record("make_loader", "loaders", lambda ds, *args: args)}
+    with _small_world() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
+        for name, spy in spies.items():
+            mp.setattr(jm, name, spy)
+        for name, spy in data_spies.items():
+            mp.setattr(data, name, spy)
+        mp.setattr(vit.VisionTransformer, "encode", encode)
+        mp.setattr(vit, "load_pretrained", load_pretrained)
+        with ctrl_c_at_task(stop_at) if stop_at else contextlib.nullcontext():
+            code = jm.main(argv)
+    out = Path(argv[argv.index("--out") + 1] if "--out" in argv else argv[1])
+    done = (out / "results.json").exists()
+    return dict(seen, argv=argv, code=code, log=log.getvalue(), out=out,
+                res=_results(out) if done else None, cfg=jm.Config(**_config(out)))
+
+
+PHASES = ("start_task", "train_task", "end_task", "evaluate", "record_analyses")
+
+
+def _config(folder):
+    return json.loads((folder / "config.json").read_text())["config"]
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory):  # four small runs: Janus-LoRA, InfLoRA, fine-tuning, other flags
+    tmp = tmp_path_factory.mktemp("watched")
+    with _small_world():
+        weights = tmp / "vit.pt"  # a backbone file: --weights names it
+        torch.manual_seed(0)
+        torch.save(vit.PRESETS["vit_tiny"](img_size=16, patch_size=4).state_dict(), weights)
+    runs = {"janus": SMALL,
+            "inflora": SMALL + ["--method", "inflora", "--schedule", "cosine",
+                                "--gpm-threshold", "0.9", "0.99"],
+            "finetune": SMALL + ["--method", "finetune"],
+            "flags": OTHER_FLAGS + ["--data-dir", str(tmp / "data"), "--weights", str(weights),
+                                    "--workers", str(os.cpu_count() + 1)]}
+    return {name: _watch(argv + ["--out", str(tmp / name)]) for name, argv in runs.items()}
+
+
+# every flag of a run at a value not its default, with one another's values told apart
+OTHER_FLAGS = ["--dataset", "synthetic", "--model", "vit_tiny", "--tasks", "2", "--epochs", "2",
+               "--batch-size", "8", "--img-size", "16", "--patch-size", "4",
+               "--limit-per-class", "3", "--input-range", "half", "--rank", "3",
+               "--lora-scale", "0.5", "--lr", "2e-3", "--schedule", "cosine", "--k", "5",
+               "--oe-lr", "0.7", "--oe-decay-steps", "3", "--delta", "2e-3", "--margin", "0.25",
+               "--lambda-dml", "1.5", "--tau", "0.09", "--rectify", "update",
+               "--memory", "oe-rolling", "--seeds", "3", "--device", "cpu", "--precision", "fp32",
+               "--steps", "3"]
+
+
+# ---- 1. The lifecycle of a task: what each phase changes, and the transform each pass sees
+def _phase_changes(cfg, t, phase):
+    """The tensors that phase of task t must change, and those it may (GPM's memory grows by what
+    the task's inputs need, possibly nothing)."""
+    layers = [f"blocks.{i}.attn.{n}." for i in range(2) for n in "kv"]
+    A, B, W = ({p + name for p in layers} for name in ("A", "B", "weight"))
+    head = {f"heads.{t}.weight", f"heads.{t}.bias"}
+    oe_runs = cfg.oe and cfg.memory != "gpm"
+    memory = {f"memory.{i}" for i in range(2)}
+    must = {"start_task": head | (A if cfg.lora_a == "inflora" else set()),
+            "train_task": head | B | (A if cfg.lora_a == "trained" else set())
+            | ({"V"} if oe_runs else set()),
+            "end_task": W | A | B | {"prototypes"}
+            | (memory | {"V"} if cfg.oe and cfg.memory == "oe" else set())}.get(phase, set())
+    return must, memory if phase == "end_task" and cfg.oe and cfg.memory == "gpm" else set()
+
+
+def _passes(cfg, t):
+    """{phase: (the transform, images)} of each pass over the data in task t: the training
+    transform to train; the test transform for the prototypes and GPM's covariance (the task's
+    training images), InfLoRA's A (the same), evaluation and the analyses (the seen test images)."""
+    per_task = 12 // cfg.tasks
+    train, test = cfg.limit_per_class * per_task, 8 * per_task * (t + 1)  # synthetic: 8 a class
+    counts = {"start_task": ("test", train if cfg.lora_a == "inflora" else 0),
+              "train_task": ("train", cfg.epochs * train),
+              "end_task": ("test", train * (2 if cfg.oe and cfg.memory == "gpm" else 1)),
+              "evaluate": ("test", test), "record_analyses": ("test", test if t else 0)}
+    return {phase: ({kind}, n) for phase, (kind, n) in counts.items() if n}
+
+
+@pytest.mark.parametrize("run", ["janus", "inflora", "finetune", "flags"])
+def test_each_phase_of_a_task_changes_its_own_tensors_and_sees_its_transform(watched, run):
+    """In task t the start adds head t (and InfLoRA's A); training changes head t and the factors
+    that train (and OE's V); the end merges, resets the pair, adds the prototypes and memory;
+    evaluation and the analyses change nothing. The old heads and the backbone's other tensors
+    never change. Each pass over the data sees its transform and its images."""
+    r = watched[run]
+    cfg = r["cfg"]
+    assert r["code"] == 0 and [(t, p) for t, p, _ in r["changed"]] == [
+        (t, p) for t in range(cfg.tasks) for p in PHASES]
+    for t, phase, changed in r["changed"]:
+        must, may = _phase_changes(cfg, t, phase)
+        assert must <= changed <= must | may, (t, phase, changed ^ must)
+    got = {}
+    for t, phase, kind, n in r["passes"]:
+        kinds, total = got.get((t, phase), (set(), 0))
+        got[(t, phase)] = (kinds | {kind}, total + n)
+    assert got == {(t, phase): seen for t in range(cfg.tasks)
+                   for phase, seen in _passes(cfg, t).items()}
+
+
+# ---- 4. The schedules against the InfLoRA codebase's formulas, at every task and epoch
+def _codebase_cosine_schedule(K):
+    """The lr factor of each of K epochs as utils/schedulers.py's CosineSchedule gives it, stepped
+    as methods/inflora.py's train_function steps it: its __init__ calls step(0), then sets
+    last_epoch = -1; each epoch trains, then calls step(), which adds 1 to last_epoch."""
+    def cosine(last_epoch):
+        return math.cos((99 * math.pi * last_epoch) / (200 * (K - 1)))
+    factor, last_epoch, factors = cosine(0), -1, []
+    for _ in range(K):
+        factors.append(factor)
+        last_epoch += 1
+        factor = cosine(last_epoch)
+    return factors
+
+
+def _cosine_annealing(K):  # torch's CosineAnnealingLR(T_max=K), the codebase's other schedule
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule, factors = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=K), []
+    for _ in range(K):
+        factors.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    return factors
+
+
+def test_schedules_follow_the_inflora_codebase_at_every_task_and_epoch(watched):
+    """Each step's lr in every task and epoch, both schedules; lr_factor at every K up to 30 (one
+    epoch: the codebase divides by zero, we train at --lr); GPM's energy threshold of task t of T,
+    as methods/inflora.py's update_DualGPM: (lame - lamb) * cur_task / total_sessions + lamb."""
+    for K in range(2, 31):
+        assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(
+            _codebase_cosine_schedule(K), rel=1e-12)
+    for K in range(1, 31):
+        assert [jm.lr_factor(e, K, "cosine") for e in range(K)] == pytest.approx(
+            _cosine_annealing(K), rel=1e-9, abs=1e-12)
+    assert jm.lr_factor(0, 1, "inflora") == 1.0
+    for run, codebase in (("janus", _codebase_cosine_schedule), ("inflora", _cosine_annealing),
+                          ("flags", _cosine_annealing)):
+        r = watched[run]
+        cfg = r["cfg"]
+        steps = math.ceil(cfg.limit_per_class * (12 // cfg.tasks) / cfg.batch_size)  # an epoch's
+        expected = [(t, [cfg.lr * f]) for t in range(cfg.tasks) for f in codebase(cfg.epochs)
+                    for _ in range(steps)]
+        assert r["lr"] == [(t, pytest.approx(lrs, rel=1e-12)) for t, lrs in expected]
+    lamb, lame = 0.9, 0.99  # the inflora run's --gpm-threshold; InfLoRA's lamb and lame
+    total_sessions = watched["inflora"]["cfg"].tasks
+    expected = [(cur_task, (lame - lamb) * cur_task / total_sessions + lamb)
+                for cur_task in range(total_sessions) for _ in range(2)]  # a call per block
+    assert watched["inflora"]["threshold"] == [(t, pytest.approx(h)) for t, h in expected]
+
+
+# ---- 2. Every flag reaches the code it names
+def _scale_in_every_output(r, s):  # each K/V layer's output: W0 x + s B A x
+    x, outputs = torch.randn(3, 192), []
+    for layer in jm.lora_layers(copy.deepcopy(r["learners"][-1].model)):
+        with torch.no_grad():
+            layer.B.normal_()
+            lora = layer(x) - F.linear(x, layer.weight, layer.bias)
+        outputs.append(torch.allclose(lora, s * x @ layer.A.T @ layer.B.T, atol=1e-5))
+    return outputs == [True] * 4
+
+
+def _oe_follows_its_oracle(r, lr, decay):  # the run's OE: a step at eta = lr decay / (decay + t)
+    sub, t = copy.deepcopy(r["learners"][-1].oe), 2
+    sub.t, V, X = t, sub.V.double(), torch.randn(2, 40, 192)
+    sub.update(X, [torch.zeros(192, 0)] * 2)
+    oracle = [_oe_oracle(v, x.double(), torch.zeros(192, 0, dtype=torch.float64), t,
+                         torch.float32, lr, decay) for v, x in zip(V, X)]
+    return all(rel(v.double(), o) < 1e-4 for v, o in zip(sub.V, oracle))
+
+
+def _noted(r):  # the flags the run's note says have no effect
+    ignored = "no effect with these settings, ignored"
+    line = next(line for line in r["log"].splitlines() if line.endswith(ignored))
+    return set(line.split(": ")[1].split())
+
+
+def _device_chosen(argv):  # with a GPU visible: cuda by default, what --device says if typed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "device_count", lambda: 1)
+        return [jm.configure(a)[0].device for a in (_without(argv, "--device"), argv)]
+
+
+def _compiled_blocks(argv):  # whether start_learner compiles each block (lazily: no trace yet)
+    cfg = jm.configure(argv)[0]
+    model = jm.start_learner(cfg, 0, jm.build_model(cfg)[0]).model
+    return [block._compiled_call_impl is not None for block in model.blocks]
+
+
+def _modes(argv):  # what main runs for argv: a run, --benchmark, --reproduce's rows (each's k)
+    ran = []
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as out:
+        mp.setattr(jm, "run", lambda cfg, typed: ran.append(("run", cfg.k)) or 0)
+        mp.setattr(jm, "benchmark", lambda cfg: ran.append(("benchmark", cfg.k)) or 0)
+        mp.setattr(jm, "write_table", lambda cfg, out, rows: None)  # no row's folder to read
+        assert jm.main(argv) == 0
+    printed = [shlex.split(line.split(": python janus_min.py ")[1]) for line in
+               out.getvalue().splitlines() if ": python janus_min.py " in line]
+    return ran, [jm.configure(row)[0].k for row in printed]
+
+
+REPRODUCE_K = SMALL + ["--reproduce", "k"]
+FLAG_ROWS = {  # field: (the watched run or the command that sets it, what shows its value)
+    "dataset": ("flags", lambda r: [args[0] for args in r["datasets"]] == ["synthetic"]),
+    "data_dir": ("flags", lambda r: r["datasets"][0][1] == str(r["out"].parent / "data")),
+    "tasks": ("flags", lambda r: len(r["res"]["runs"][0]["acc_matrix"]) == 2),
+    "epochs": ("flags", lambda r: re.findall(r"^task 2/2 epoch (.*?) ", r["log"], re.M)
+               == ["1/2", "2/2"]),
+    "batch_size": ("flags", lambda r: {args[0] for args in r["loaders"]} == {8}),
+    "img_size": ("flags", lambda r: r["datasets"][0][2] == 16
+                 and r["learners"][0].model.pos_embed.shape[1] == 1 + 4 * 4),
+    "limit_per_class": ("flags", lambda r: r["thin"] == [(3, 3)]),
+    "input_range": ("flags", lambda r: r["datasets"][0][3:5] == vit.MEAN_STD["half"]),
+    "model": ("flags", lambda r: r["learners"][0].model.embed_dim == 192),
+    "weights": ("flags", lambda r: r["weights"] == [str(r["out"].parent / "vit.pt")] and
+                torch.equal(r["learners"][0].model.patch_embed.weight, torch.load(
+                    r["out"].parent / "vit.pt", weights_only=True)["patch_embed.weight"])),
+    "patch_size": ("flags", lambda r: r["learners"][0].model.patch_embed.kernel_size == (4, 4)),
+    "rank": ("flags", lambda r: [layer.A.shape[0] for layer in jm.lora_layers(
+        r["learners"][0].model)] == [3] * 4),
+    "lora_scale": ("flags", lambda r: _scale_in_every_output(r, 0.5)),
+    "method": ("inflora", lambda r: [getattr(r["cfg"], s) for s in jm.SWITCHES] == [
+        True, False, False, "grad", "gpm", "inflora"] and r["inflora_a"] and not r["gr"]),
+    "lr": ("flags", lambda r: r["lr"][0] == (0, [2e-3])),
+    "schedule": ("flags", lambda r: [lrs for t, lrs in r["lr"] if t == 1]
+                 == [[2e-3]] * 3 + [[pytest.approx(1e-3)]] * 3),
+    "k": ("flags", lambda r: r["learners"][0].oe.V.shape == (2, 192, 5)),
+    "oe_lr": ("flags", lambda r: _oe_follows_its_oracle(r, 0.7, 3)),
+    "oe_decay_steps": ("flags", lambda r: _oe_follows_its_oracle(r, 0.7, 3)),
+    "delta": ("flags", lambda r: len(r["delta"]) == 12 and set(r["delta"]) == {2e-3}),
+    "margin": ("flags", lambda r: len(r["dml"]) == 12 and {m for m, _ in r["dml"]} == {0.25}),
+    "lambda_dml": ("flags", lambda r: len(r["loss"]) == 12 and all(
+        loss == pytest.approx(ce + 1.5 * dml) for loss, ce, dml in r["loss"])),
+    "tau": ("flags", lambda r: {tau for _, tau in r["dml"]} == {0.09}),
+    "oe": ("finetune", lambda r: r["learners"][0].oe is None
+           and [M.shape for M in r["learners"][0].memory] == [(192, 0)] * 2),
+    "gr": ("finetune", lambda r: r["gr"] == [] and r["delta"] == []),
+    "dml": ("finetune", lambda r: r["dml"] == [] and r["loss"] == []),
+    "rectify": ("flags", lambda r: r["gr"] == ["updates"] * 12),
+    "memory": ("flags", lambda r: r["protects"] == [["V"]] * 12
+               and [M.shape for M in r["learners"][0].memory] == [(192, 0)] * 2),
+    "gpm_threshold": ("inflora", lambda r: [h for t, h in r["threshold"] if t == 0] == [0.9] * 2),
+    "lora_a": ("inflora", lambda r: r["inflora_a"] == [0, 0, 1, 1, 2, 2] and all(
+        not name.endswith(".A") for _, phase, changed in r["changed"] if phase == "train_task"
+        for name in changed)),
+    "seeds": ("flags", lambda r: [run["seed"] for run in r["res"]["runs"]] == [3]
+              and [args[3] for args in r["loaders"] if args[1]] == [3000, 3001]),
+    "device": (SMALL, lambda argv: _device_chosen(argv) == ["cuda", "cpu"]),
+    "precision": ("flags", lambda r: "--precision" in _noted(r)),  # autocast is CUDA's
+    "compile": (SMALL + ["--compile"], lambda argv: _compiled_blocks(argv) == [True] * 12),
+    "workers": ("flags", lambda r: {args[2] for args in r["loaders"]} == {os.cpu_count() + 1}),
+    "out": ("flags", lambda r: r["res"]["config"]["out"] == str(r["out"])),
+    "resume": (["--resume", "{flags}"], lambda argv: jm.differ(
+        _config(Path(argv[1])), jm.configure(argv)[0]) == ""),
+    "benchmark": (SMALL + ["--benchmark"], lambda argv: _modes(argv) == ([("benchmark", 8)], [])),
+    "steps": ("flags", lambda r: "--steps" in _noted(r)),  # --benchmark's
+    "reproduce": (REPRODUCE_K + ["--dry-run"], lambda argv: _modes(argv)[1] == [25, 50, 75, 100]),
+    "row": (REPRODUCE_K + ["--row", "k75"], lambda argv: _modes(argv) == ([("run", 75)], [75])),
+    "dry_run": (REPRODUCE_K + ["--dry-run"], lambda argv: _modes(argv)[0] == []),
+}
+
+
+def test_every_flag_reaches_the_code_it_names(watched):
+    """A row per field of Config, and a field without one fails: a run or a command that sets it
+    to a value not its default, and what shows that value at work where the flag says (or the
+    program's note that it has no effect there)."""
+    assert set(FLAG_ROWS) == {f.name for f in dataclasses.fields(jm.Config)}
+    defaults = {**dataclasses.asdict(jm.Config()), **data.DATASETS["synthetic"],
+                "workers": os.cpu_count(), "gpm_threshold": [0.95, 1.0]}
+    for name, (source, shows) in FLAG_ROWS.items():
+        if isinstance(source, str):
+            argv, x = watched[source]["argv"], watched[source]
+        else:
+            argv = x = [a.replace("{flags}", str(watched["flags"]["out"])) for a in source]
+        assert jm.parse(argv)[0][name] != defaults[name], name
+        assert shows(x), name
 
 
 @pytest.fixture(scope="module")
