@@ -2063,6 +2063,139 @@ def test_every_flag_reaches_the_code_it_names(watched):
         assert shows(x), name
 
 
+# ---- 3. The presets and the --reproduce rows against the paper (janus-lora.tex)
+JANUS = dict(oe=True, gr=True, dml=True, rectify="grad", memory="oe", lora_a="trained")
+PAPER_METHODS = {  # --method: its name in the paper's tables, and its switches where not Janus's
+    "janus": ("Janus-LoRA", {}), "janus-rolling": ("Janus-LoRA, M = V", dict(memory="oe-rolling")),
+    "finetune": ("Fine-Tuning", dict(oe=False, gr=False, dml=False)),
+    "lora-gpm": ("LoRA-GPM", dict(memory="gpm", gr=False, dml=False)),
+    "lora-gpm-gr": ("LoRA-GPM + GR", dict(memory="gpm", dml=False)),
+    "inflora": ("InfLoRA", dict(memory="gpm", lora_a="inflora", gr=False, dml=False))}
+PAPER_ROWS = {  # --reproduce NAME: {row: what the paper's row changes from Janus-LoRA's defaults}
+    "ablation": {str(i): dict(oe=oe, gr=gr, dml=dml) for i, (oe, gr, dml) in enumerate([
+        (False, False, False), (False, False, True), (True, False, False), (False, True, False),
+        (True, True, False), (True, False, True), (True, True, True)], 1)},  # Table 1's marks
+    "methods": {m: dict(PAPER_METHODS[m][1], method=m)  # Tables 2 and 3's that we implement
+                for m in ("finetune", "lora-gpm", "inflora", "janus")},
+    "oe-vs-gpm": {"gpm": dict(memory="gpm", epochs=1), "oe": dict(epochs=1)},  # Table 5
+    "gr-plugin": {m: dict(PAPER_METHODS[m][1], method=m)  # Fig. 6
+                  for m in ("lora-gpm", "lora-gpm-gr")},
+    "k": {f"k{k}": dict(k=k) for k in (25, 50, 75, 100)},  # Fig. 4a: "k from 25 to 100"
+    "margin": {f"m{m}": dict(margin=m) for m in (0.1, 0.2, 0.3, 0.4, 0.5)},  # Fig. 4b, to 0.5
+    "lambda": {f"l{v}": dict(lambda_dml=v) for v in (0.5, 1.0, 1.5, 2.0)},  # "0.5 to 2.0"
+    "backbones": {w: dict(weights=w) for w in ("in21k", "sam", "dino")}}  # Tables 2 and 4
+
+
+def test_presets_and_reproduce_rows_are_the_papers(capsys):
+    """Each --method gives its switches and its name in the paper, and a switch typed with it wins;
+    each --reproduce row, as --dry-run prints it, is the flags typed plus the paper's row."""
+    checked = 0
+    for method, (name, switches) in PAPER_METHODS.items():
+        cfg = jm.configure(["--method", method, "--device", "cpu"])[0]
+        assert {s: getattr(cfg, s) for s in jm.SWITCHES} == {**JANUS, **switches}
+        assert jm.describe(dataclasses.asdict(cfg)) == name
+        for f in dataclasses.fields(jm.Config):
+            values = [False] if f.type is bool else f.metadata.get("choices", [])
+            for value in values if f.name in jm.SWITCHES else []:
+                try:
+                    cfg = jm.configure(["--method", method, *jm.to_argv({f.name: value}),
+                                        "--device", "cpu"])[0]
+                except jm.ConfigError:  # --lora-a inflora with GR on
+                    continue
+                got = {s: getattr(cfg, s) for s in jm.SWITCHES}
+                assert got == {**JANUS, **switches, f.name: value}
+                described = jm.describe(dataclasses.asdict(cfg))
+                names = [n for n, s in PAPER_METHODS.values() if {**JANUS, **s} == got]
+                assert described == names[0] if names else described.startswith("custom: ")
+                checked += 1
+    assert checked == 6 * 10 - 3  # each preset, each value a switch's flag types; 3 refused
+    base = ["--dataset", "imagenet-r", "--epochs", "3", "--device", "cpu"]
+    assert set(PAPER_ROWS) == set(jm.REPRODUCE)
+    for name, rows in PAPER_ROWS.items():
+        capsys.readouterr()
+        assert jm.main(base + ["--reproduce", name, "--dry-run"]) == 0
+        printed = [line.split(": python janus_min.py ") for line in
+                   capsys.readouterr().out.splitlines() if ": python janus_min.py " in line]
+        assert [row for row, _ in printed] == list(rows)
+        for row, argv in printed:
+            cfg = jm.configure(shlex.split(argv))[0]
+            expected = dataclasses.replace(jm.configure(base)[0], **{**JANUS, **rows[row]})
+            assert jm.differ(dataclasses.asdict(expected), cfg) == "", (name, row)
+
+
+# ---- 5. Each reported number from its own source
+def _acc_maa_bwt(rows):  # Sec. 4.1 on rows[t] = the accuracy on tasks 1..t+1 after task t+1
+    T = len(rows)
+    return {"ACC": sum(rows[-1]) / T, "MAA": sum(sum(row) / len(row) for row in rows) / T,
+            "BWT": sum(rows[-1][i] - rows[i][i] for i in range(T - 1)) / (T - 1)}
+
+
+def _mean_and_sample_std(values):
+    m = sum(values) / len(values)
+    return {"mean": m, "std": math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))}
+
+
+def test_each_reported_number_comes_from_its_own_source(tmp_path):
+    """A run of two seeds whose evaluation is hand-built, the task-aware matrix apart from the
+    task-agnostic one: results.json's matrices, ACC, MAA, BWT and the task-aware three, sample_ACC,
+    the summary's mean and sample std; the lines printed; table.md's cells from results.json."""
+    given = []  # (task-agnostic row, task-aware row, accuracy over samples) of each evaluation
+
+    def evaluate(model, heads, splits, tasks, cfg):
+        g, t = torch.Generator().manual_seed(len(given)), len(heads)
+        draws = (100 * torch.rand(2 * t + 1, generator=g)).round(decimals=2).tolist()
+        given.append((draws[:t], draws[t:-1], draws[-1]))
+        return given[-1]
+    out = tmp_path / "k25"
+    with _small_world() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
+        mp.setattr(jm, "evaluate", evaluate)
+        assert jm.main(SMALL + ["--epochs", "1", "--seeds", "0", "1", "--out", str(out)]) == 0
+    res, seeds = _results(out), [given[:3], given[3:]]
+    for run, evaluations in zip(res["runs"], seeds):
+        agnostic, aware, samples = map(list, zip(*evaluations))
+        assert run["acc_matrix"] == [row + [None] * (2 - t) for t, row in enumerate(agnostic)]
+        assert run["task_aware"]["acc_matrix"] == [row + [None] * (2 - t)
+                                                   for t, row in enumerate(aware)]
+        assert run["sample_acc"] == samples
+        assert {k: run[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(_acc_maa_bwt(agnostic))
+        assert {k: run["task_aware"][k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(
+            _acc_maa_bwt(aware))
+    summary = {"sample_ACC": _mean_and_sample_std([e[-1][2] for e in seeds])}
+    for key in ("ACC", "MAA", "BWT"):
+        summary[key] = _mean_and_sample_std([_acc_maa_bwt([e[0] for e in s])[key] for s in seeds])
+        summary[f"aware {key}"] = _mean_and_sample_std([_acc_maa_bwt([e[1] for e in s])[key]
+                                                        for s in seeds])
+        assert res["summary"]["task_aware"][key] == pytest.approx(summary[f"aware {key}"])
+    for key in ("ACC", "MAA", "BWT", "sample_ACC"):
+        assert res["summary"][key] == pytest.approx(summary[key])
+    lines = log.getvalue().splitlines()
+    printed = [re.findall(r"-?\d+\.\d+", line.rsplit(" | ", 1)[0]) for line in lines
+               if " accuracy per task: " in line]  # its time left out
+    assert printed == [[f"{a:.2f}" for a in (*agnostic, sum(agnostic) / len(agnostic), sample,
+                                             sum(aware) / len(aware))] for agnostic, aware, sample
+                       in given]
+    stats = next(line for line in lines if line.startswith("ACC "))
+    assert stats == "  ".join(f"{k} {summary[k]['mean']:.2f} +- {summary[k]['std']:.2f}" for k in
+                              ("ACC", "MAA", "BWT", "sample_ACC")) + \
+        f"  over 2 seed(s); task-aware ACC {summary['aware ACC']['mean']:.2f}"
+    assert [line.split(" | ")[1].split() for line in lines if re.match(r" +\d \| ", line)] == [
+        [f"{a:.1f}" for a in row] + ["-"] * (2 - t) for t, (row, _, _) in enumerate(given[3:])]
+    cfg = jm.Config(**dict(res["config"], reproduce="k"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        jm.write_table(cfg, tmp_path, {"k25": "--k 25"})
+    row = (tmp_path / "table.md").read_text().splitlines()[-1]
+    runs = res["runs"]
+    violations = [v for r in runs for n in "kv" for task in r["violation"][n] for v in task
+                  if v is not None]
+    danger = [g["danger"] for r in runs for g in r["geometry"] if g]
+    seconds = [s for r in runs for s in r["task_seconds"]]
+    assert row.split(" | ") == [
+        "| k25", "`--k 25`", "2", *[f"{summary[k]['mean']:.2f} ± {summary[k]['std']:.2f}" for k in
+                                    ("ACC", "MAA", "BWT", "sample_ACC")],
+        f"{summary['aware ACC']['mean']:.2f}", f"{sum(violations) / len(violations):.2e}",
+        f"{sum(danger) / len(danger):.3f}", f"{sum(seconds) / len(seconds):.1f} |"]
+
+
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
