@@ -2196,6 +2196,43 @@ def test_each_reported_number_comes_from_its_own_source(tmp_path):
         f"{sum(danger) / len(danger):.3f}", f"{sum(seconds) / len(seconds):.1f} |"]
 
 
+# ---- 7. A resume carries all that the learner holds into the tasks after it
+def _same(a, b):  # equal, tensors bit for bit
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("run", ["janus", "inflora"])
+def test_a_resume_after_task_1_of_3_carries_the_whole_learner(watched, tmp_path, run):
+    """Ctrl-C as task 2 starts, then --resume: each checkpoint after it equals the uninterrupted
+    run's, field by field (the K/V layers, the heads, V, the memory, the prototypes, the generator,
+    the record but its times), and so do the results."""
+    ref, out = watched[run], tmp_path / run
+    first = _watch(_without(ref["argv"], "--out") + ["--out", str(out)], stop_at=2)
+    resumed = _watch(["--resume", str(out)])
+    assert first["code"] == 130 and resumed["code"] == 0
+    assert "seed 0: resumed after task 1" in resumed["log"]
+    checkpoints = first["checkpoints"] + resumed["checkpoints"]
+    assert len(checkpoints) == len(ref["checkpoints"]) == 3
+    times = ("task_seconds", "throughput")
+    drop = {"config": ("out", "resume"), "record": times}  # what may differ
+    for t, (a, b) in enumerate(zip(ref["checkpoints"], checkpoints)):
+        assert a.keys() == b.keys()
+        for key in a:
+            x, y = ({k: v for k, v in d[key].items() if k not in drop[key]} if key in drop
+                    else d[key] for d in (a, b))
+            assert _same(x, y), (t, key)
+    a, b = ref["res"]["runs"][0], resumed["res"]["runs"][0]
+    assert _same({k: v for k, v in a.items() if k not in times},
+                 {k: v for k, v in b.items() if k not in times})
+
+
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
