@@ -1709,12 +1709,13 @@ def _watch(argv, stop_at=None):
                             "threshold", "inflora_a", "datasets", "thin", "loaders", "weights",
                             "learners", "checkpoints")}
     now = {"task": None, "phase": None}  # the task and the phase under way
-    real = {name: getattr(jm, name) for name in (*PHASES, "train_step", "dml_loss", "run_seed",
-                                                 "rectify_factors", "rectify_gradients_",
-                                                 "rectify_updates_", "gpm_extend", "inflora_a",
-                                                 "save_checkpoint")}
-    real_data = {name: getattr(data, name) for name in ("load_dataset", "thin", "make_loader")}
-    real_encode, real_load = vit.VisionTransformer.encode, vit.load_pretrained
+    last = {}  # the last DML loss: its features, labels and value
+    spied = [(jm, name) for name in (*PHASES, "train_step", "dml_loss", "run_seed",
+                                     "rectify_factors", "rectify_gradients_", "rectify_updates_",
+                                     "gpm_extend", "inflora_a", "save_checkpoint")] + [
+        (data, "load_dataset"), (data, "thin"), (data, "make_loader"), (vit, "load_pretrained"),
+        (vit.VisionTransformer, "encode")]
+    real = {name: getattr(module, name) for module, name in spied}
 
     def phase(name):
         def call(*args):
@@ -1723,25 +1724,22 @@ def _watch(argv, stop_at=None):
             learner, now["phase"] = seen["learners"][-1], name
             before = _tensors(learner)
             out = real[name](*args)
-            now["phase"] = None
-            seen["changed"].append((now["task"], name, changed(before, _tensors(learner))))
+            after, now["phase"] = _tensors(learner), None
+            seen["changed"].append((now["task"], name, {
+                k for k in before.keys() | after.keys()
+                if k not in before or k not in after or not torch.equal(before[k], after[k])}))
             return out
         return call
-
-    def changed(a, b):
-        return {k for k in a.keys() | b.keys() if k not in a or k not in b
-                or not torch.equal(a[k], b[k])}
 
     def encode(model, images):
         kind = "train" if images.min() >= 10 else "test" if images.max() <= 1 else "neither"
         seen["passes"].append((now["task"], now["phase"], kind, len(images)))
-        return real_encode(model, images)
+        return real["encode"](model, images)
 
     def train_step(learner, opt, images, y, cfg):
-        head, layers, M = copy.deepcopy(learner.heads[-1]), jm.lora_layers(learner.model), {}
-        M["memory"] = learner.memory
-        M["V"] = learner.oe.V if learner.oe is not None else None
-        seen["protects"].append([name for name, Ms in M.items() if Ms is not None and all(
+        layers, head = jm.lora_layers(learner.model), copy.deepcopy(learner.heads[-1])
+        held = {"memory": learner.memory, "V": learner.oe and learner.oe.V}
+        seen["protects"].append([name for name, Ms in held.items() if Ms is not None and all(
             torch.equal(layer.M, Ms[j // 2]) for j, layer in enumerate(layers))])
         seen["lr"].append((now["task"], [group["lr"] for group in opt.param_groups]))
         calls = len(seen["dml"])
@@ -1752,45 +1750,36 @@ def _watch(argv, stop_at=None):
             seen["loss"].append((float(loss), float(ce), float(last["dml"])))
         return loss, right
 
-    last = {}
-
     def dml_loss(z, y, old, margin, tau, num_classes):
         out = real["dml_loss"](z, y, old, margin, tau, num_classes)
         last.update(z=z.detach(), y=y, dml=out.detach())
         seen["dml"].append((margin, tau))
         return out
 
-    def record(name, key, value=lambda *args: args):  # a callee that records value(*its args)
-        def call(*args, **kwargs):
-            seen[key].append(value(*args, **kwargs))
-            return (real.get(name) or real_data.get(name))(*args, **kwargs)
-        return call
-
     def save_checkpoint(learner, record, cfg, weights):
         real["save_checkpoint"](learner, record, cfg, weights)
         seen["checkpoints"].append(torch.load(Path(cfg.out) / "checkpoint.pt", weights_only=True))
 
-    def load_pretrained(model, source):
-        seen["weights"].append(source)
-        return real_load(model, source)
+    def spy(name, key, value=lambda *args: args):  # a callee that records value(*its args)
+        def call(*args):
+            seen[key].append(value(*args))
+            return real[name](*args)
+        return call
     spies = {**{name: phase(name) for name in PHASES}, "train_step": train_step,
-             "dml_loss": dml_loss, "save_checkpoint": save_checkpoint,
-             "run_seed": record("run_seed", "learners", lambda learner, *args: learner),
-             "rectify_factors": record("rectify_factors", "delta", lambda *args: args[-1]),
-             "rectify_gradients_": record("rectify_gradients_", "gr", lambda *a: "gradients"),
-             "rectify_updates_": record("rectify_updates_", "gr", lambda *a: "updates"),
-             "gpm_extend": record("gpm_extend", "threshold", lambda M, C, h: (now["task"], h)),
-             "inflora_a": record("inflora_a", "inflora_a", lambda *args: now["task"])}
-    data_spies = {"load_dataset": record("load_dataset", "datasets"),
-                  "thin": record("thin", "thin", lambda splits, *args: args),
-                  "make_loader": record("make_loader", "loaders", lambda ds, *args: args)}
+             "dml_loss": dml_loss, "save_checkpoint": save_checkpoint, "encode": encode,
+             "run_seed": spy("run_seed", "learners", lambda learner, *args: learner),
+             "rectify_factors": spy("rectify_factors", "delta", lambda *args: args[-1]),
+             "rectify_gradients_": spy("rectify_gradients_", "gr", lambda *a: "gradients"),
+             "rectify_updates_": spy("rectify_updates_", "gr", lambda *a: "updates"),
+             "gpm_extend": spy("gpm_extend", "threshold", lambda M, C, h: (now["task"], h)),
+             "inflora_a": spy("inflora_a", "inflora_a", lambda *args: now["task"]),
+             "load_dataset": spy("load_dataset", "datasets"),
+             "thin": spy("thin", "thin", lambda splits, *args: args),
+             "make_loader": spy("make_loader", "loaders", lambda ds, *args: args),
+             "load_pretrained": spy("load_pretrained", "weights", lambda model, source: source)}
     with _small_world() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
-        for name, spy in spies.items():
-            mp.setattr(jm, name, spy)
-        for name, spy in data_spies.items():
-            mp.setattr(data, name, spy)
-        mp.setattr(vit.VisionTransformer, "encode", encode)
-        mp.setattr(vit, "load_pretrained", load_pretrained)
+        for module, name in spied:
+            mp.setattr(module, name, spies[name])
         with ctrl_c_at_task(stop_at) if stop_at else contextlib.nullcontext():
             code = jm.main(argv)
     out = Path(argv[argv.index("--out") + 1] if "--out" in argv else argv[1])
@@ -2231,6 +2220,44 @@ def test_a_resume_after_task_1_of_3_carries_the_whole_learner(watched, tmp_path,
     a, b = ref["res"]["runs"][0], resumed["res"]["runs"][0]
     assert _same({k: v for k, v in a.items() if k not in times},
                  {k: v for k, v in b.items() if k not in times})
+
+
+# ---- Beyond: a memory that fills, and the lines a run prints
+def test_a_memory_that_fills_leaves_k_and_v_alone_in_the_later_tasks(tmp_path):
+    """--k 96 fills each block's memory (192 wide) after task 2 of 3, as the note says: in task 3
+    A = 0 and B = 0 stay exactly, W0 bit for bit, OE has no basis, the violation is undefined; the
+    head still trains and every reported number is finite."""
+    r = _watch(SMALL + ["--k", "96", "--epochs", "1", "--out", str(tmp_path)])
+    assert r["code"] == 0
+    assert "--k 96 fills each block's memory (vit_tiny: width 192) after task 2 of 3" in r["log"]
+    learner, run = r["learners"][0], r["res"]["runs"][0]
+    assert [M.shape[1] for M in learner.memory] == [192] * 2 and learner.oe.V.shape[-1] == 0
+    head = {"heads.2.weight", "heads.2.bias"}
+    expected = {"start_task": head, "train_task": head, "end_task": {"prototypes"}}
+    for t, phase, changed in r["changed"][-5:]:  # task 3's; the memory's QR may flip signs
+        assert t == 2 and changed - {"memory.0", "memory.1"} == expected.get(phase, set())
+    assert all(not layer.A.detach().any() for layer in jm.lora_layers(learner.model))
+    assert run["violation"]["k"][2] == [None] * 2 and max(run["interference"][2]["past"]) == 0
+    assert all(math.isfinite(a) for row in run["acc_matrix"] for a in row if a is not None)
+
+
+def test_the_lines_a_run_prints_name_each_task_and_epoch_and_its_numbers(watched):
+    """Each epoch's line names its task and epoch of all; each task's line its row of the
+    accuracy matrix as results.json has it; the analyses from task 2 on; the run's first line."""
+    for r in watched.values():
+        cfg, log, run = r["cfg"], r["log"], r["res"]["runs"][0]
+        assert re.findall(r"^task (\d+)/(\d+) epoch (\d+)/(\d+) ", log, re.M) == [
+            tuple(map(str, (t + 1, cfg.tasks, e + 1, cfg.epochs))) for t in range(cfg.tasks)
+            for e in range(cfg.epochs)]
+        rows = [row[:t + 1] for t, row in enumerate(run["acc_matrix"])]
+        assert re.findall(r"^task (\d+) accuracy per task: ([\d. ]+?)  \|", log, re.M) == [
+            (str(t + 1), " ".join(f"{a:.2f}" for a in row)) for t, row in enumerate(rows)]
+        assert re.findall(r"^task (\d+) analyses: ", log, re.M) == [
+            str(t + 1) for t in range(1, cfg.tasks)]
+        first = next(line for line in log.splitlines() if line.startswith("synthetic: "))
+        method = jm.describe(r["res"]["config"])
+        assert first.endswith(f" tasks; {method}; cpu fp32; out {r['out']}")
+        assert f", {cfg.tasks} tasks; " in first
 
 
 @pytest.fixture(scope="module")
