@@ -2197,8 +2197,8 @@ def _same(a, b):  # equal, tensors bit for bit
     return a == b
 
 
-@pytest.mark.parametrize("run", ["janus", "inflora"])
-def test_a_resume_after_task_1_of_3_carries_the_whole_learner(watched, tmp_path, run):
+@pytest.mark.parametrize("run", ["janus", "inflora", "flags"])  # OE's memory, GPM's, M = V
+def test_a_resume_after_the_first_task_carries_the_whole_learner(watched, tmp_path, run):
     """Ctrl-C as task 2 starts, then --resume: each checkpoint after it equals the uninterrupted
     run's, field by field (the K/V layers, the heads, V, the memory, the prototypes, the generator,
     the record but its times), and so do the results."""
@@ -2206,9 +2206,9 @@ def test_a_resume_after_task_1_of_3_carries_the_whole_learner(watched, tmp_path,
     first = _watch(_without(ref["argv"], "--out") + ["--out", str(out)], stop_at=2)
     resumed = _watch(["--resume", str(out)])
     assert first["code"] == 130 and resumed["code"] == 0
-    assert "seed 0: resumed after task 1" in resumed["log"]
+    assert f"seed {ref['cfg'].seeds[0]}: resumed after task 1" in resumed["log"]
     checkpoints = first["checkpoints"] + resumed["checkpoints"]
-    assert len(checkpoints) == len(ref["checkpoints"]) == 3
+    assert len(checkpoints) == len(ref["checkpoints"]) == ref["cfg"].tasks
     times = ("task_seconds", "throughput")
     drop = {"config": ("out", "resume"), "record": times}  # what may differ
     for t, (a, b) in enumerate(zip(ref["checkpoints"], checkpoints)):
