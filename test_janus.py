@@ -1873,63 +1873,13 @@ def test_each_phase_of_a_task_changes_its_own_tensors_and_sees_its_transform(wat
                    for phase, seen in _passes(cfg, t).items()}
 
 
-# ---- 4. The schedules against the InfLoRA codebase's formulas, at every task and epoch
-def _codebase_cosine_schedule(K):
-    """The lr factor of each of K epochs as utils/schedulers.py's CosineSchedule gives it, stepped
-    as methods/inflora.py's train_function steps it: its __init__ calls step(0), then sets
-    last_epoch = -1; each epoch trains, then calls step(), which adds 1 to last_epoch."""
-    def cosine(last_epoch):
-        return math.cos((99 * math.pi * last_epoch) / (200 * (K - 1)))
-    factor, last_epoch, factors = cosine(0), -1, []
-    for _ in range(K):
-        factors.append(factor)
-        last_epoch += 1
-        factor = cosine(last_epoch)
-    return factors
-
-
-def _cosine_annealing(K):  # torch's CosineAnnealingLR(T_max=K), the codebase's other schedule
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    schedule, factors = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=K), []
-    for _ in range(K):
-        factors.append(opt.param_groups[0]["lr"])
-        opt.step()
-        schedule.step()
-    return factors
-
-
-def test_schedules_follow_the_inflora_codebase_at_every_task_and_epoch(watched):
-    """Each step's lr in every task and epoch, both schedules; lr_factor at every K up to 30 (one
-    epoch: the codebase divides by zero, we train at --lr); GPM's energy threshold of task t of T,
-    as methods/inflora.py's update_DualGPM: (lame - lamb) * cur_task / total_sessions + lamb."""
-    for K in range(2, 31):
-        assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(
-            _codebase_cosine_schedule(K), rel=1e-12)
-    for K in range(1, 31):
-        assert [jm.lr_factor(e, K, "cosine") for e in range(K)] == pytest.approx(
-            _cosine_annealing(K), rel=1e-9, abs=1e-12)
-    assert jm.lr_factor(0, 1, "inflora") == 1.0
-    for run, codebase in (("janus", _codebase_cosine_schedule), ("inflora", _cosine_annealing),
-                          ("flags", _cosine_annealing)):
-        r = watched[run]
-        cfg = r["cfg"]
-        steps = math.ceil(cfg.limit_per_class * (12 // cfg.tasks) / cfg.batch_size)  # an epoch's
-        expected = [(t, [cfg.lr * f]) for t in range(cfg.tasks) for f in codebase(cfg.epochs)
-                    for _ in range(steps)]
-        assert r["lr"] == [(t, pytest.approx(lrs, rel=1e-12)) for t, lrs in expected]
-    lamb, lame = 0.9, 0.99  # the inflora run's --gpm-threshold; InfLoRA's lamb and lame
-    total_sessions = watched["inflora"]["cfg"].tasks
-    expected = [(cur_task, (lame - lamb) * cur_task / total_sessions + lamb)
-                for cur_task in range(total_sessions) for _ in range(2)]  # a call per block
-    assert watched["inflora"]["threshold"] == [(t, pytest.approx(h)) for t, h in expected]
-
-
 # ---- 2. Every flag reaches the code it names
 def _scale_in_every_output(r, s):  # each K/V layer's output: W0 x + s B A x
-    x, outputs = torch.randn(3, 192), []
+    g, outputs = torch.Generator().manual_seed(0), []
+    x = torch.randn(3, 192, generator=g)
     for layer in jm.lora_layers(copy.deepcopy(r["learners"][-1].model)):
         with torch.no_grad():
-            layer.B.normal_()
+            layer.B.normal_(generator=g)
             lora = layer(x) - F.linear(x, layer.weight, layer.bias)
         outputs.append(torch.allclose(lora, s * x @ layer.A.T @ layer.B.T, atol=1e-5))
     return outputs == [True] * 4
@@ -1937,7 +1887,7 @@ def _scale_in_every_output(r, s):  # each K/V layer's output: W0 x + s B A x
 
 def _oe_follows_its_oracle(r, lr, decay):  # the run's OE: a step at eta = lr decay / (decay + t)
     sub, t = copy.deepcopy(r["learners"][-1].oe), 2
-    sub.t, V, X = t, sub.V.double(), torch.randn(2, 40, 192)
+    sub.t, V, X = t, sub.V.double(), torch.randn(2, 40, 192, generator=torch.Generator())
     sub.update(X, [torch.zeros(192, 0)] * 2)
     oracle = [_oe_oracle(v, x.double(), torch.zeros(192, 0, dtype=torch.float64), t,
                          torch.float32, lr, decay) for v, x in zip(V, X)]
@@ -2110,6 +2060,58 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
             cfg = jm.configure(shlex.split(argv))[0]
             expected = dataclasses.replace(jm.configure(base)[0], **{**JANUS, **rows[row]})
             assert jm.differ(dataclasses.asdict(expected), cfg) == "", (name, row)
+
+
+# ---- 4. The schedules against the InfLoRA codebase's formulas, at every task and epoch
+def _codebase_cosine_schedule(K):
+    """The lr factor of each of K epochs as utils/schedulers.py's CosineSchedule gives it, stepped
+    as methods/inflora.py's train_function steps it: its __init__ calls step(0), then sets
+    last_epoch = -1; each epoch trains, then calls step(), which adds 1 to last_epoch."""
+    def cosine(last_epoch):
+        return math.cos((99 * math.pi * last_epoch) / (200 * (K - 1)))
+    factor, last_epoch, factors = cosine(0), -1, []
+    for _ in range(K):
+        factors.append(factor)
+        last_epoch += 1
+        factor = cosine(last_epoch)
+    return factors
+
+
+def _cosine_annealing(K):  # torch's CosineAnnealingLR(T_max=K), the codebase's other schedule
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule, factors = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=K), []
+    for _ in range(K):
+        factors.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    return factors
+
+
+def test_schedules_follow_the_inflora_codebase_at_every_task_and_epoch(watched):
+    """Each step's lr in every task and epoch, both schedules; lr_factor at every K up to 30 (one
+    epoch: the codebase divides by zero, we train at --lr); GPM's energy threshold of task t of T,
+    as methods/inflora.py's update_DualGPM: (lame - lamb) * cur_task / total_sessions + lamb."""
+    for K in range(2, 31):
+        assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(
+            _codebase_cosine_schedule(K), rel=1e-12)
+    for K in range(1, 31):
+        assert [jm.lr_factor(e, K, "cosine") for e in range(K)] == pytest.approx(
+            _cosine_annealing(K), rel=1e-9, abs=1e-12)
+    assert jm.lr_factor(0, 1, "inflora") == 1.0
+    for run, codebase in (("janus", _codebase_cosine_schedule), ("inflora", _cosine_annealing),
+                          ("flags", _cosine_annealing)):
+        r = watched[run]
+        cfg = r["cfg"]
+        steps = math.ceil(cfg.limit_per_class * (12 // cfg.tasks) / cfg.batch_size)  # an epoch's
+        lr = float(r["argv"][r["argv"].index("--lr") + 1])
+        expected = [(t, [lr * f]) for t in range(cfg.tasks) for f in codebase(cfg.epochs)
+                    for _ in range(steps)]
+        assert r["lr"] == [(t, pytest.approx(lrs, rel=1e-12)) for t, lrs in expected]
+    lamb, lame = 0.9, 0.99  # the inflora run's --gpm-threshold; InfLoRA's lamb and lame
+    total_sessions = watched["inflora"]["cfg"].tasks
+    expected = [(cur_task, (lame - lamb) * cur_task / total_sessions + lamb)
+                for cur_task in range(total_sessions) for _ in range(2)]  # a call per block
+    assert watched["inflora"]["threshold"] == [(t, pytest.approx(h)) for t, h in expected]
 
 
 # ---- 5. Each reported number from its own source
