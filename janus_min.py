@@ -1557,7 +1557,8 @@ def mid_run_learner(cfg, backbone, m, classes):
     L, D = len(backbone.blocks), backbone.embed_dim
     if cfg.oe:
         learner.memory = list(torch.linalg.qr(torch.randn(L, D, m)).Q.to(cfg.device))
-        learner.oe.V = fresh_basis(stack_blocks(learner.memory), cfg.k)
+        if learner.oe is not None:  # GPM's memory comes with no OE basis
+            learner.oe.V = fresh_basis(stack_blocks(learner.memory), cfg.k)
         for j, layer in enumerate(lora_layers(learner.model)):
             layer.reset_(learner.memory[j // 2])
     prototypes = F.normalize(torch.randn(classes * (cfg.tasks // 2), D), dim=1)

@@ -975,17 +975,18 @@ def test_bf16_autocast_keeps_the_method_in_float32(device):
     assert torch.equal(subs[0].V, subs[1].V)
 
 
-def _oe_oracle(V, X, M, t, products):
+def _oe_oracle(V, X, M, t, products, lr=1.0, decay=5):
     """One OE step (Eqs. (8)-(10) as we read them) in float64, dense, with the products X V and
     X^T (X V) rounded to `products`: X_p = X (I - M M^T); a step on (1/2) ||X_p - X_p V V^T||^2
-    preconditioned by S = V^T X_p^T X_p V, at eta = 5 / (5 + t); QR with R's diagonal > 0; off M."""
+    preconditioned by S = V^T X_p^T X_p V, at eta = lr decay / (decay + t) (--oe-lr,
+    --oe-decay-steps); QR with R's diagonal > 0; off M."""
     P = torch.eye(len(M), dtype=torch.float64) - M @ M.T
     XV = (X.to(products) @ V.to(products)).double()
     C = P @ (X.to(products).T @ XV.to(products)).double()  # X_p^T X_p V
     S = XV.T @ XV
     S = S + (1e-6 * S.diagonal().mean() + torch.finfo(S.dtype).tiny) * torch.eye(len(S))
     grad = -(C - V @ (V.T @ C)) @ torch.linalg.inv(S)
-    Q, R = torch.linalg.qr(V - 5 / (5 + t) * grad)
+    Q, R = torch.linalg.qr(V - lr * decay / (decay + t) * grad)
     return P @ (Q * R.diagonal().sign())
 
 
@@ -1315,6 +1316,31 @@ def test_train_step_never_syncs_with_the_host_on_cuda(variant, compile):
             step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("variant", list(STEP_VARIANTS))
+def test_every_variants_mid_run_learner_and_step_on_a_cpu(variant):
+    """The CUDA test's learners and steps on a CPU: a memory of m columns a block where OE is on
+    (GPM's too), V off it where OE runs, each layer's M what it protects; the steps are finite,
+    train the current head and keep the memory and the old prototypes."""
+    learner, step = _step_of(STEP_VARIANTS[variant], "cpu")
+    cfg = dataclasses.replace(jm.Config(), **STEP_VARIANTS[variant])
+    assert [M.shape for M in learner.memory] == [(192, 16 if cfg.oe else 0)] * 12
+    if learner.oe is not None:
+        leaks = [float((M.T @ V).abs().max()) for M, V in zip(learner.memory, learner.oe.V)]
+        assert max(leaks) < 1e-5
+
+    def follows():  # each layer's M: what protected() says now (under M = V: V as it moves)
+        M = jm.protected(learner, cfg)
+        return all(torch.equal(layer.M, M[j // 2])
+                   for j, layer in enumerate(jm.lora_layers(learner.model)))
+    before = copy.deepcopy((learner.memory, learner.prototypes, learner.heads[-1].weight))
+    assert follows()
+    losses = [float(step()[0]) for _ in range(2)]
+    assert all(math.isfinite(loss) for loss in losses) and follows()
+    assert all(torch.equal(a, b) for a, b in zip(before[0], learner.memory))
+    assert torch.equal(before[1], learner.prototypes)
+    assert not torch.equal(before[2], learner.heads[-1].weight)
 
 
 def test_compiled_blocks_give_the_same_steps_on_every_torch_admitted(monkeypatch):
@@ -1882,6 +1908,598 @@ def test_progress_comes_every_30_s_and_a_nan_loss_stops_the_run(tmp_path, monkey
         "note: at 0.5 img/s on cpu, the run's training (2 epoch(s) of 96 images, 2 seed(s)) takes "
         "about 12.0 min"]
     assert "lower --lr and start again with another --out" in err and err.count("\n") == 1
+
+
+# ---- The wiring, in a small world: a 2-block ViT-Ti, 16 px images, and the synthetic set with a
+# training transform of its own (its images land in [10, 11], the others' in [0, 1]), so that each
+# pass over the data shows which transform it saw. _watch records what a run did.
+SMALL = _without(_without(TINY, "--img-size"), "--epochs") + [
+    "--img-size", "16", "--epochs", "4", "--limit-per-class", "4"]  # a step of 16 images an epoch
+
+
+@contextlib.contextmanager
+def _small_world():
+    real = data._transforms
+
+    def transforms(name, img_size, mean, std):
+        tfs, (train, test) = real(name, img_size, mean, std)
+        return tfs, (train._replace(mean=-10.0), test)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(vit.PRESETS, "vit_tiny", functools.partial(vit.PRESETS["vit_tiny"], depth=2))
+        mp.setattr(data, "_transforms", transforms)
+        mp.setattr(jm, "plot", lambda results, out: None)
+        yield mp
+
+
+def _tensors(learner):  # every tensor a learner holds, by name
+    named = {**learner.model.state_dict(), "prototypes": learner.prototypes,
+             **{f"heads.{k}": v for k, v in learner.heads.state_dict().items()},
+             **{f"memory.{i}": M for i, M in enumerate(learner.memory)}}
+    if learner.oe is not None:
+        named["V"] = learner.oe.V
+    return {k: v.clone() for k, v in named.items()}
+
+
+def _watch(argv, stop_at=None):
+    """argv run in the small world (stop_at: Ctrl-C as that task starts), and what it did: each
+    pass over the data as (task, phase, transform, images), the tensors each phase of a task
+    changed, each step's lr (per param group), loss and the M it protected, the values that reached
+    the code the flags name, and each checkpoint."""
+    seen = {k: [] for k in ("passes", "changed", "lr", "loss", "protects", "dml", "delta", "gr",
+                            "threshold", "inflora_a", "datasets", "thin", "loaders", "weights",
+                            "learners", "checkpoints")}
+    now = {"task": None, "phase": None}  # the task and the phase under way
+    last = {}  # the last DML loss: its features, labels and value
+    spied = [(jm, name) for name in (*PHASES, "train_step", "dml_loss", "run_seed",
+                                     "rectify_factors", "rectify_gradients_", "rectify_updates_",
+                                     "gpm_extend", "inflora_a", "save_checkpoint")] + [
+        (data, "load_dataset"), (data, "thin"), (data, "make_loader"), (vit, "load_pretrained"),
+        (vit.VisionTransformer, "encode")]
+    real = {name: getattr(module, name) for module, name in spied}
+
+    def phase(name):
+        def call(*args):
+            if name == "start_task":
+                now["task"] = args[1]
+            learner, now["phase"] = seen["learners"][-1], name
+            before = _tensors(learner)
+            out = real[name](*args)
+            after, now["phase"] = _tensors(learner), None
+            seen["changed"].append((now["task"], name, {
+                k for k in before.keys() | after.keys()
+                if k not in before or k not in after or not torch.equal(before[k], after[k])}))
+            return out
+        return call
+
+    def encode(model, images):
+        kind = "train" if images.min() >= 10 else "test" if images.max() <= 1 else "neither"
+        seen["passes"].append((now["task"], now["phase"], kind, len(images)))
+        return real["encode"](model, images)
+
+    def train_step(learner, opt, images, y, cfg):
+        layers, head = jm.lora_layers(learner.model), copy.deepcopy(learner.heads[-1])
+        held = {"memory": learner.memory, "V": learner.oe and learner.oe.V}
+        seen["protects"].append([name for name, Ms in held.items() if Ms is not None and all(
+            torch.equal(layer.M, Ms[j // 2]) for j, layer in enumerate(layers))])
+        seen["lr"].append((now["task"], [group["lr"] for group in opt.param_groups]))
+        calls = len(seen["dml"])
+        loss, right = real["train_step"](learner, opt, images, y, cfg)
+        if len(seen["dml"]) > calls:  # the loss, Eq. (12): CE + lambda DML, at the step's start
+            with torch.no_grad():
+                ce = F.cross_entropy(head(last["z"]), last["y"])
+            seen["loss"].append((float(loss), float(ce), float(last["dml"])))
+        return loss, right
+
+    def dml_loss(z, y, old, margin, tau, num_classes):
+        out = real["dml_loss"](z, y, old, margin, tau, num_classes)
+        last.update(z=z.detach(), y=y, dml=out.detach())
+        seen["dml"].append((margin, tau))
+        return out
+
+    def save_checkpoint(learner, record, cfg, weights):
+        real["save_checkpoint"](learner, record, cfg, weights)
+        seen["checkpoints"].append(torch.load(Path(cfg.out) / "checkpoint.pt", weights_only=True))
+
+    def spy(name, key, value=lambda *args: args):  # a callee that records value(*its args)
+        def call(*args):
+            seen[key].append(value(*args))
+            return real[name](*args)
+        return call
+    spies = {**{name: phase(name) for name in PHASES}, "train_step": train_step,
+             "dml_loss": dml_loss, "save_checkpoint": save_checkpoint, "encode": encode,
+             "run_seed": spy("run_seed", "learners", lambda learner, *args: learner),
+             "rectify_factors": spy("rectify_factors", "delta", lambda *args: args[-1]),
+             "rectify_gradients_": spy("rectify_gradients_", "gr", lambda *a: "gradients"),
+             "rectify_updates_": spy("rectify_updates_", "gr", lambda *a: "updates"),
+             "gpm_extend": spy("gpm_extend", "threshold", lambda M, C, h: (now["task"], h)),
+             "inflora_a": spy("inflora_a", "inflora_a", lambda *args: now["task"]),
+             "load_dataset": spy("load_dataset", "datasets"),
+             "thin": spy("thin", "thin", lambda splits, *args: args),
+             "make_loader": spy("make_loader", "loaders", lambda ds, *args: args),
+             "load_pretrained": spy("load_pretrained", "weights", lambda model, source: source)}
+    with _small_world() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
+        for module, name in spied:
+            mp.setattr(module, name, spies[name])
+        with ctrl_c_at_task(stop_at) if stop_at else contextlib.nullcontext():
+            code = jm.main(argv)
+    out = Path(argv[argv.index("--out") + 1] if "--out" in argv else argv[1])
+    done = (out / "results.json").exists()
+    return dict(seen, argv=argv, code=code, log=log.getvalue(), out=out,
+                res=_results(out) if done else None, cfg=jm.Config(**_config(out)))
+
+
+PHASES = ("start_task", "train_task", "end_task", "evaluate", "record_analyses")
+
+
+def _config(folder):
+    return json.loads((folder / "config.json").read_text())["config"]
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory):  # four small runs: Janus-LoRA, InfLoRA, fine-tuning, other flags
+    tmp = tmp_path_factory.mktemp("watched")
+    with _small_world():
+        weights = tmp / "vit.pt"  # a backbone file: --weights names it
+        torch.manual_seed(0)
+        torch.save(vit.PRESETS["vit_tiny"](img_size=16, patch_size=4).state_dict(), weights)
+    runs = {"janus": SMALL,
+            "inflora": SMALL + ["--method", "inflora", "--schedule", "cosine",
+                                "--gpm-threshold", "0.9", "0.99"],
+            "finetune": SMALL + ["--method", "finetune"],
+            "flags": OTHER_FLAGS + ["--data-dir", str(tmp / "data"), "--weights", str(weights),
+                                    "--workers", str(os.cpu_count() + 1)]}
+    return {name: _watch(argv + ["--out", str(tmp / name)]) for name, argv in runs.items()}
+
+
+# every flag of a run at a value not its default, with one another's values told apart
+OTHER_FLAGS = ["--dataset", "synthetic", "--model", "vit_tiny", "--tasks", "2", "--epochs", "2",
+               "--batch-size", "8", "--img-size", "16", "--patch-size", "4",
+               "--limit-per-class", "3", "--input-range", "half", "--rank", "3",
+               "--lora-scale", "0.5", "--lr", "2e-3", "--schedule", "cosine", "--k", "5",
+               "--oe-lr", "0.7", "--oe-decay-steps", "3", "--delta", "2e-3", "--margin", "0.25",
+               "--lambda-dml", "1.5", "--tau", "0.09", "--rectify", "update",
+               "--memory", "oe-rolling", "--seeds", "3", "--device", "cpu", "--precision", "fp32",
+               "--steps", "3"]
+
+
+# ---- 1. The lifecycle of a task: what each phase changes, and the transform each pass sees
+def _phase_changes(cfg, t, phase):
+    """The tensors that phase of task t must change, and those it may (GPM's memory grows by what
+    the task's inputs need, possibly nothing)."""
+    layers = [f"blocks.{i}.attn.{n}." for i in range(2) for n in "kv"]
+    A, B, W = ({p + name for p in layers} for name in ("A", "B", "weight"))
+    head = {f"heads.{t}.weight", f"heads.{t}.bias"}
+    oe_runs = cfg.oe and cfg.memory != "gpm"
+    memory = {f"memory.{i}" for i in range(2)}
+    must = {"start_task": head | (A if cfg.lora_a == "inflora" else set()),
+            "train_task": head | B | (A if cfg.lora_a == "trained" else set())
+            | ({"V"} if oe_runs else set()),
+            "end_task": W | A | B | {"prototypes"}
+            | (memory | {"V"} if cfg.oe and cfg.memory == "oe" else set())}.get(phase, set())
+    return must, memory if phase == "end_task" and cfg.oe and cfg.memory == "gpm" else set()
+
+
+def _passes(cfg, t):
+    """{phase: (the transform, images)} of each pass over the data in task t: the training
+    transform to train; the test transform for the prototypes and GPM's covariance (the task's
+    training images), InfLoRA's A (the same), evaluation and the analyses (the seen test images)."""
+    per_task = 12 // cfg.tasks
+    train, test = cfg.limit_per_class * per_task, 8 * per_task * (t + 1)  # synthetic: 8 a class
+    counts = {"start_task": ("test", train if cfg.lora_a == "inflora" else 0),
+              "train_task": ("train", cfg.epochs * train),
+              "end_task": ("test", train * (2 if cfg.oe and cfg.memory == "gpm" else 1)),
+              "evaluate": ("test", test), "record_analyses": ("test", test if t else 0)}
+    return {phase: ({kind}, n) for phase, (kind, n) in counts.items() if n}
+
+
+@pytest.mark.parametrize("run", ["janus", "inflora", "finetune", "flags"])
+def test_each_phase_of_a_task_changes_its_own_tensors_and_sees_its_transform(watched, run):
+    """In task t the start adds head t (and InfLoRA's A); training changes head t and the factors
+    that train (and OE's V); the end merges, resets the pair, adds the prototypes and memory;
+    evaluation and the analyses change nothing. The old heads and the backbone's other tensors
+    never change. Each pass over the data sees its transform and its images."""
+    r = watched[run]
+    cfg = r["cfg"]
+    assert r["code"] == 0 and [(t, p) for t, p, _ in r["changed"]] == [
+        (t, p) for t in range(cfg.tasks) for p in PHASES]
+    for t, phase, changed in r["changed"]:
+        must, may = _phase_changes(cfg, t, phase)
+        assert must <= changed <= must | may, (t, phase, changed ^ must)
+    got = {}
+    for t, phase, kind, n in r["passes"]:
+        kinds, total = got.get((t, phase), (set(), 0))
+        got[(t, phase)] = (kinds | {kind}, total + n)
+    assert got == {(t, phase): seen for t in range(cfg.tasks)
+                   for phase, seen in _passes(cfg, t).items()}
+
+
+# ---- 2. Every flag reaches the code it names
+def _scale_in_every_output(r, s):  # each K/V layer's output: W0 x + s B A x
+    g, outputs = torch.Generator().manual_seed(0), []
+    x = torch.randn(3, 192, generator=g)
+    for layer in jm.lora_layers(copy.deepcopy(r["learners"][-1].model)):
+        with torch.no_grad():
+            layer.B.normal_(generator=g)
+            lora = layer(x) - F.linear(x, layer.weight, layer.bias)
+        outputs.append(torch.allclose(lora, s * x @ layer.A.T @ layer.B.T, atol=1e-5))
+    return outputs == [True] * 4
+
+
+def _oe_follows_its_oracle(r, lr, decay):  # the run's OE: a step at eta = lr decay / (decay + t)
+    sub, t = copy.deepcopy(r["learners"][-1].oe), 2
+    sub.t, V, X = t, sub.V.double(), torch.randn(2, 40, 192, generator=torch.Generator())
+    sub.update(X, [torch.zeros(192, 0)] * 2)
+    oracle = [_oe_oracle(v, x.double(), torch.zeros(192, 0, dtype=torch.float64), t,
+                         torch.float32, lr, decay) for v, x in zip(V, X)]
+    return all(rel(v.double(), o) < 1e-4 for v, o in zip(sub.V, oracle))
+
+
+def _noted(r):  # the flags the run's note says have no effect
+    ignored = "no effect with these settings, ignored"
+    line = next(line for line in r["log"].splitlines() if line.endswith(ignored))
+    return set(line.split(": ")[1].split())
+
+
+def _device_chosen(argv):  # with a GPU visible: cuda by default, what --device says if typed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "device_count", lambda: 1)
+        return [jm.configure(a)[0].device for a in (_without(argv, "--device"), argv)]
+
+
+def _compiled_blocks(argv):  # whether start_learner compiles each block (lazily: no trace yet)
+    cfg = jm.configure(argv)[0]
+    model = jm.start_learner(cfg, 0, jm.build_model(cfg)[0]).model
+    return [block._compiled_call_impl is not None for block in model.blocks]
+
+
+def _modes(argv):  # what main runs for argv: a run, --benchmark, --reproduce's rows (each's k)
+    ran = []
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as out:
+        mp.setattr(jm, "run", lambda cfg, typed: ran.append(("run", cfg.k)) or 0)
+        mp.setattr(jm, "benchmark", lambda cfg: ran.append(("benchmark", cfg.k)) or 0)
+        mp.setattr(jm, "write_table", lambda cfg, out, rows: None)  # no row's folder to read
+        assert jm.main(argv) == 0
+    printed = [shlex.split(line.split(": python janus_min.py ")[1]) for line in
+               out.getvalue().splitlines() if ": python janus_min.py " in line]
+    return ran, [jm.configure(row)[0].k for row in printed]
+
+
+REPRODUCE_K = SMALL + ["--reproduce", "k"]
+FLAG_ROWS = {  # field: (the watched run or the command that sets it, what shows its value)
+    "dataset": ("flags", lambda r: [args[0] for args in r["datasets"]] == ["synthetic"]),
+    "data_dir": ("flags", lambda r: r["datasets"][0][1] == str(r["out"].parent / "data")),
+    "tasks": ("flags", lambda r: len(r["res"]["runs"][0]["acc_matrix"]) == 2),
+    "epochs": ("flags", lambda r: re.findall(r"^task 2/2 epoch (.*?) ", r["log"], re.M)
+               == ["1/2", "2/2"]),
+    "batch_size": ("flags", lambda r: {args[0] for args in r["loaders"]} == {8}),
+    "img_size": ("flags", lambda r: r["datasets"][0][2] == 16
+                 and r["learners"][0].model.pos_embed.shape[1] == 1 + 4 * 4),
+    "limit_per_class": ("flags", lambda r: r["thin"] == [(3, 3)]),
+    "input_range": ("flags", lambda r: r["datasets"][0][3:5] == vit.MEAN_STD["half"]),
+    "model": ("flags", lambda r: r["learners"][0].model.embed_dim == 192),
+    "weights": ("flags", lambda r: r["weights"] == [str(r["out"].parent / "vit.pt")] and
+                torch.equal(r["learners"][0].model.patch_embed.weight, torch.load(
+                    r["out"].parent / "vit.pt", weights_only=True)["patch_embed.weight"])),
+    "patch_size": ("flags", lambda r: r["learners"][0].model.patch_embed.kernel_size == (4, 4)),
+    "rank": ("flags", lambda r: [layer.A.shape[0] for layer in jm.lora_layers(
+        r["learners"][0].model)] == [3] * 4),
+    "lora_scale": ("flags", lambda r: _scale_in_every_output(r, 0.5)),
+    "method": ("inflora", lambda r: [getattr(r["cfg"], s) for s in jm.SWITCHES] == [
+        True, False, False, "grad", "gpm", "inflora"] and r["inflora_a"] and not r["gr"]),
+    "lr": ("flags", lambda r: r["lr"][0] == (0, [2e-3])),
+    "schedule": ("flags", lambda r: [lrs for t, lrs in r["lr"] if t == 1]
+                 == [[2e-3]] * 3 + [[pytest.approx(1e-3)]] * 3),
+    "k": ("flags", lambda r: r["learners"][0].oe.V.shape == (2, 192, 5)),
+    "oe_lr": ("flags", lambda r: _oe_follows_its_oracle(r, 0.7, 3)),
+    "oe_decay_steps": ("flags", lambda r: _oe_follows_its_oracle(r, 0.7, 3)),
+    "delta": ("flags", lambda r: len(r["delta"]) == 12 and set(r["delta"]) == {2e-3}),
+    "margin": ("flags", lambda r: len(r["dml"]) == 12 and {m for m, _ in r["dml"]} == {0.25}),
+    "lambda_dml": ("flags", lambda r: len(r["loss"]) == 12 and all(
+        loss == pytest.approx(ce + 1.5 * dml) for loss, ce, dml in r["loss"])),
+    "tau": ("flags", lambda r: {tau for _, tau in r["dml"]} == {0.09}),
+    "oe": ("finetune", lambda r: r["learners"][0].oe is None
+           and [M.shape for M in r["learners"][0].memory] == [(192, 0)] * 2),
+    "gr": ("finetune", lambda r: r["gr"] == [] and r["delta"] == []),
+    "dml": ("finetune", lambda r: r["dml"] == [] and r["loss"] == []),
+    "rectify": ("flags", lambda r: r["gr"] == ["updates"] * 12),
+    "memory": ("flags", lambda r: r["protects"] == [["V"]] * 12
+               and [M.shape for M in r["learners"][0].memory] == [(192, 0)] * 2),
+    "gpm_threshold": ("inflora", lambda r: [h for t, h in r["threshold"] if t == 0] == [0.9] * 2),
+    "lora_a": ("inflora", lambda r: r["inflora_a"] == [0, 0, 1, 1, 2, 2] and all(
+        not name.endswith(".A") for _, phase, changed in r["changed"] if phase == "train_task"
+        for name in changed)),
+    "seeds": ("flags", lambda r: [run["seed"] for run in r["res"]["runs"]] == [3]
+              and [args[3] for args in r["loaders"] if args[1]] == [3000, 3001]),
+    "device": (SMALL, lambda argv: _device_chosen(argv) == ["cuda", "cpu"]),
+    "precision": ("flags", lambda r: "--precision" in _noted(r)),  # autocast is CUDA's
+    "compile": (SMALL + ["--compile"], lambda argv: _compiled_blocks(argv) == [True] * 12),
+    "workers": ("flags", lambda r: {args[2] for args in r["loaders"]} == {os.cpu_count() + 1}),
+    "out": ("flags", lambda r: r["res"]["config"]["out"] == str(r["out"])),
+    "resume": (["--resume", "{flags}"], lambda argv: jm.differ(
+        _config(Path(argv[1])), jm.configure(argv)[0]) == ""),
+    "benchmark": (SMALL + ["--benchmark"], lambda argv: _modes(argv) == ([("benchmark", 8)], [])),
+    "steps": ("flags", lambda r: "--steps" in _noted(r)),  # --benchmark's
+    "reproduce": (REPRODUCE_K + ["--dry-run"], lambda argv: _modes(argv)[1] == [25, 50, 75, 100]),
+    "row": (REPRODUCE_K + ["--row", "k75"], lambda argv: _modes(argv) == ([("run", 75)], [75])),
+    "dry_run": (REPRODUCE_K + ["--dry-run"], lambda argv: _modes(argv)[0] == []),
+}
+
+
+def test_every_flag_reaches_the_code_it_names(watched):
+    """A row per field of Config, and a field without one fails: a run or a command that sets it
+    to a value not its default, and what shows that value at work where the flag says (or the
+    program's note that it has no effect there)."""
+    assert set(FLAG_ROWS) == {f.name for f in dataclasses.fields(jm.Config)}
+    defaults = {**dataclasses.asdict(jm.Config()), **data.DATASETS["synthetic"],
+                "workers": os.cpu_count(), "gpm_threshold": [0.95, 1.0]}
+    for name, (source, shows) in FLAG_ROWS.items():
+        if isinstance(source, str):
+            argv, x = watched[source]["argv"], watched[source]
+        else:
+            argv = x = [a.replace("{flags}", str(watched["flags"]["out"])) for a in source]
+        assert jm.parse(argv)[0][name] != defaults[name], name
+        assert shows(x), name
+
+
+# ---- 3. The presets and the --reproduce rows against the paper (janus-lora.tex)
+JANUS = dict(oe=True, gr=True, dml=True, rectify="grad", memory="oe", lora_a="trained")
+PAPER_METHODS = {  # --method: its name in the paper's tables, and its switches where not Janus's
+    "janus": ("Janus-LoRA", {}), "janus-rolling": ("Janus-LoRA, M = V", dict(memory="oe-rolling")),
+    "finetune": ("Fine-Tuning", dict(oe=False, gr=False, dml=False)),
+    "lora-gpm": ("LoRA-GPM", dict(memory="gpm", gr=False, dml=False)),
+    "lora-gpm-gr": ("LoRA-GPM + GR", dict(memory="gpm", dml=False)),
+    "inflora": ("InfLoRA", dict(memory="gpm", lora_a="inflora", gr=False, dml=False))}
+PAPER_ROWS = {  # --reproduce NAME: {row: what the paper's row changes from Janus-LoRA's defaults}
+    "ablation": {str(i): dict(oe=oe, gr=gr, dml=dml) for i, (oe, gr, dml) in enumerate([
+        (False, False, False), (False, False, True), (True, False, False), (False, True, False),
+        (True, True, False), (True, False, True), (True, True, True)], 1)},  # Table 1's marks
+    "methods": {m: dict(PAPER_METHODS[m][1], method=m)  # Tables 2 and 3's that we implement
+                for m in ("finetune", "lora-gpm", "inflora", "janus")},
+    "oe-vs-gpm": {"gpm": dict(memory="gpm", epochs=1), "oe": dict(epochs=1)},  # Table 5
+    "gr-plugin": {m: dict(PAPER_METHODS[m][1], method=m)  # Fig. 6
+                  for m in ("lora-gpm", "lora-gpm-gr")},
+    "k": {f"k{k}": dict(k=k) for k in (25, 50, 75, 100)},  # Fig. 4a: "k from 25 to 100"
+    "margin": {f"m{m}": dict(margin=m) for m in (0.1, 0.2, 0.3, 0.4, 0.5)},  # Fig. 4b, to 0.5
+    "lambda": {f"l{v}": dict(lambda_dml=v) for v in (0.5, 1.0, 1.5, 2.0)},  # "0.5 to 2.0"
+    "backbones": {w: dict(weights=w) for w in ("in21k", "sam", "dino")}}  # Tables 2 and 4
+
+
+def test_presets_and_reproduce_rows_are_the_papers(capsys):
+    """Each --method gives its switches and its name in the paper, and a switch typed with it wins;
+    each --reproduce row, as --dry-run prints it, is the flags typed plus the paper's row."""
+    checked = 0
+    for method, (name, switches) in PAPER_METHODS.items():
+        cfg = jm.configure(["--method", method, "--device", "cpu"])[0]
+        assert {s: getattr(cfg, s) for s in jm.SWITCHES} == {**JANUS, **switches}
+        assert jm.describe(dataclasses.asdict(cfg)) == name
+        for f in dataclasses.fields(jm.Config):
+            values = [False] if f.type is bool else f.metadata.get("choices", [])
+            for value in values if f.name in jm.SWITCHES else []:
+                try:
+                    cfg = jm.configure(["--method", method, *jm.to_argv({f.name: value}),
+                                        "--device", "cpu"])[0]
+                except jm.ConfigError:  # --lora-a inflora with GR on
+                    continue
+                got = {s: getattr(cfg, s) for s in jm.SWITCHES}
+                assert got == {**JANUS, **switches, f.name: value}
+                described = jm.describe(dataclasses.asdict(cfg))
+                names = [n for n, s in PAPER_METHODS.values() if {**JANUS, **s} == got]
+                assert described == names[0] if names else described.startswith("custom: ")
+                checked += 1
+    assert checked == 6 * 10 - 3  # each preset, each value a switch's flag types; 3 refused
+    base = ["--dataset", "imagenet-r", "--epochs", "3", "--device", "cpu"]
+    assert set(PAPER_ROWS) == set(jm.REPRODUCE)
+    for name, rows in PAPER_ROWS.items():
+        capsys.readouterr()
+        assert jm.main(base + ["--reproduce", name, "--dry-run"]) == 0
+        printed = [line.split(": python janus_min.py ") for line in
+                   capsys.readouterr().out.splitlines() if ": python janus_min.py " in line]
+        assert [row for row, _ in printed] == list(rows)
+        for row, argv in printed:
+            cfg = jm.configure(shlex.split(argv))[0]
+            expected = dataclasses.replace(jm.configure(base)[0], **{**JANUS, **rows[row]})
+            assert jm.differ(dataclasses.asdict(expected), cfg) == "", (name, row)
+
+
+# ---- 4. The schedules against the InfLoRA codebase's formulas, at every task and epoch
+def _codebase_cosine_schedule(K):
+    """The lr factor of each of K epochs as utils/schedulers.py's CosineSchedule gives it, stepped
+    as methods/inflora.py's train_function steps it: its __init__ calls step(0), then sets
+    last_epoch = -1; each epoch trains, then calls step(), which adds 1 to last_epoch."""
+    def cosine(last_epoch):
+        return math.cos((99 * math.pi * last_epoch) / (200 * (K - 1)))
+    factor, last_epoch, factors = cosine(0), -1, []
+    for _ in range(K):
+        factors.append(factor)
+        last_epoch += 1
+        factor = cosine(last_epoch)
+    return factors
+
+
+def _cosine_annealing(K):  # torch's CosineAnnealingLR(T_max=K), the codebase's other schedule
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule, factors = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=K), []
+    for _ in range(K):
+        factors.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    return factors
+
+
+def test_schedules_follow_the_inflora_codebase_at_every_task_and_epoch(watched):
+    """Each step's lr in every task and epoch, both schedules; lr_factor at every K up to 30 (one
+    epoch: the codebase divides by zero, we train at --lr); GPM's energy threshold of task t of T,
+    as methods/inflora.py's update_DualGPM: (lame - lamb) * cur_task / total_sessions + lamb."""
+    for K in range(2, 31):
+        assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(
+            _codebase_cosine_schedule(K), rel=1e-12)
+    for K in range(1, 31):
+        assert [jm.lr_factor(e, K, "cosine") for e in range(K)] == pytest.approx(
+            _cosine_annealing(K), rel=1e-9, abs=1e-12)
+    assert jm.lr_factor(0, 1, "inflora") == 1.0
+    for run, codebase in (("janus", _codebase_cosine_schedule), ("inflora", _cosine_annealing),
+                          ("flags", _cosine_annealing)):
+        r = watched[run]
+        cfg = r["cfg"]
+        steps = math.ceil(cfg.limit_per_class * (12 // cfg.tasks) / cfg.batch_size)  # an epoch's
+        lr = float(r["argv"][r["argv"].index("--lr") + 1])
+        expected = [(t, [lr * f]) for t in range(cfg.tasks) for f in codebase(cfg.epochs)
+                    for _ in range(steps)]
+        assert r["lr"] == [(t, pytest.approx(lrs, rel=1e-12)) for t, lrs in expected]
+    lamb, lame = 0.9, 0.99  # the inflora run's --gpm-threshold; InfLoRA's lamb and lame
+    total_sessions = watched["inflora"]["cfg"].tasks
+    expected = [(cur_task, (lame - lamb) * cur_task / total_sessions + lamb)
+                for cur_task in range(total_sessions) for _ in range(2)]  # a call per block
+    assert watched["inflora"]["threshold"] == [(t, pytest.approx(h)) for t, h in expected]
+
+
+# ---- 5. Each reported number from its own source
+def _acc_maa_bwt(rows):  # Sec. 4.1 on rows[t] = the accuracy on tasks 1..t+1 after task t+1
+    T = len(rows)
+    return {"ACC": sum(rows[-1]) / T, "MAA": sum(sum(row) / len(row) for row in rows) / T,
+            "BWT": sum(rows[-1][i] - rows[i][i] for i in range(T - 1)) / (T - 1)}
+
+
+def _mean_and_sample_std(values):
+    m = sum(values) / len(values)
+    return {"mean": m, "std": math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))}
+
+
+def test_each_reported_number_comes_from_its_own_source(tmp_path):
+    """A run of two seeds whose evaluation is hand-built, the task-aware matrix apart from the
+    task-agnostic one: results.json's matrices, ACC, MAA, BWT and the task-aware three, sample_ACC,
+    the summary's mean and sample std; the lines printed; table.md's cells from results.json."""
+    given = []  # (task-agnostic row, task-aware row, accuracy over samples) of each evaluation
+
+    def evaluate(model, heads, splits, tasks, cfg):
+        g, t = torch.Generator().manual_seed(len(given)), len(heads)
+        draws = (100 * torch.rand(2 * t + 1, generator=g)).round(decimals=2).tolist()
+        given.append((draws[:t], draws[t:-1], draws[-1]))
+        return given[-1]
+    out = tmp_path / "k25"
+    with _small_world() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
+        mp.setattr(jm, "evaluate", evaluate)
+        assert jm.main(SMALL + ["--epochs", "1", "--seeds", "0", "1", "--out", str(out)]) == 0
+    res, seeds = _results(out), [given[:3], given[3:]]
+    for run, evaluations in zip(res["runs"], seeds):
+        agnostic, aware, samples = map(list, zip(*evaluations))
+        assert run["acc_matrix"] == [row + [None] * (2 - t) for t, row in enumerate(agnostic)]
+        assert run["task_aware"]["acc_matrix"] == [row + [None] * (2 - t)
+                                                   for t, row in enumerate(aware)]
+        assert run["sample_acc"] == samples
+        assert {k: run[k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(_acc_maa_bwt(agnostic))
+        assert {k: run["task_aware"][k] for k in ("ACC", "MAA", "BWT")} == pytest.approx(
+            _acc_maa_bwt(aware))
+    summary = {"sample_ACC": _mean_and_sample_std([e[-1][2] for e in seeds])}
+    for key in ("ACC", "MAA", "BWT"):
+        summary[key] = _mean_and_sample_std([_acc_maa_bwt([e[0] for e in s])[key] for s in seeds])
+        summary[f"aware {key}"] = _mean_and_sample_std([_acc_maa_bwt([e[1] for e in s])[key]
+                                                        for s in seeds])
+        assert res["summary"]["task_aware"][key] == pytest.approx(summary[f"aware {key}"])
+    for key in ("ACC", "MAA", "BWT", "sample_ACC"):
+        assert res["summary"][key] == pytest.approx(summary[key])
+    lines = log.getvalue().splitlines()
+    printed = [re.findall(r"-?\d+\.\d+", line.rsplit(" | ", 1)[0]) for line in lines
+               if " accuracy per task: " in line]  # its time left out
+    assert printed == [[f"{a:.2f}" for a in (*agnostic, sum(agnostic) / len(agnostic), sample,
+                                             sum(aware) / len(aware))] for agnostic, aware, sample
+                       in given]
+    stats = next(line for line in lines if line.startswith("ACC "))
+    assert stats == "  ".join(f"{k} {summary[k]['mean']:.2f} +- {summary[k]['std']:.2f}" for k in
+                              ("ACC", "MAA", "BWT", "sample_ACC")) + \
+        f"  over 2 seed(s); task-aware ACC {summary['aware ACC']['mean']:.2f}"
+    assert [line.split(" | ")[1].split() for line in lines if re.match(r" +\d \| ", line)] == [
+        [f"{a:.1f}" for a in row] + ["-"] * (2 - t) for t, (row, _, _) in enumerate(given[3:])]
+    cfg = jm.Config(**dict(res["config"], reproduce="k"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        jm.write_table(cfg, tmp_path, {"k25": "--k 25"})
+    row = (tmp_path / "table.md").read_text().splitlines()[-1]
+    runs = res["runs"]
+    violations = [v for r in runs for n in "kv" for task in r["violation"][n] for v in task
+                  if v is not None]
+    danger = [g["danger"] for r in runs for g in r["geometry"] if g]
+    seconds = [s for r in runs for s in r["task_seconds"]]
+    assert row.split(" | ") == [
+        "| k25", "`--k 25`", "2", *[f"{summary[k]['mean']:.2f} ± {summary[k]['std']:.2f}" for k in
+                                    ("ACC", "MAA", "BWT", "sample_ACC")],
+        f"{summary['aware ACC']['mean']:.2f}", f"{sum(violations) / len(violations):.2e}",
+        f"{sum(danger) / len(danger):.3f}", f"{sum(seconds) / len(seconds):.1f} |"]
+
+
+# ---- 7. A resume carries all that the learner holds into the tasks after it
+def _same(a, b):  # equal, tensors bit for bit
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("run", ["janus", "inflora", "flags"])  # OE's memory, GPM's, M = V
+def test_a_resume_after_the_first_task_carries_the_whole_learner(watched, tmp_path, run):
+    """Ctrl-C as task 2 starts, then --resume: each checkpoint after it equals the uninterrupted
+    run's, field by field (the K/V layers, the heads, V, the memory, the prototypes, the generator,
+    the record but its times), and so do the results."""
+    ref, out = watched[run], tmp_path / run
+    first = _watch(_without(ref["argv"], "--out") + ["--out", str(out)], stop_at=2)
+    resumed = _watch(["--resume", str(out)])
+    assert first["code"] == 130 and resumed["code"] == 0
+    assert f"seed {ref['cfg'].seeds[0]}: resumed after task 1" in resumed["log"]
+    checkpoints = first["checkpoints"] + resumed["checkpoints"]
+    assert len(checkpoints) == len(ref["checkpoints"]) == ref["cfg"].tasks
+    times = ("task_seconds", "throughput")
+    drop = {"config": ("out", "resume"), "record": times}  # what may differ
+    for t, (a, b) in enumerate(zip(ref["checkpoints"], checkpoints)):
+        assert a.keys() == b.keys()
+        for key in a:
+            x, y = ({k: v for k, v in d[key].items() if k not in drop[key]} if key in drop
+                    else d[key] for d in (a, b))
+            assert _same(x, y), (t, key)
+    a, b = ref["res"]["runs"][0], resumed["res"]["runs"][0]
+    assert _same({k: v for k, v in a.items() if k not in times},
+                 {k: v for k, v in b.items() if k not in times})
+
+
+# ---- Beyond: a memory that fills, and the lines a run prints
+def test_a_memory_that_fills_leaves_k_and_v_alone_in_the_later_tasks(tmp_path):
+    """--k 96 fills each block's memory (192 wide) after task 2 of 3, as the note says: in task 3
+    A = 0 and B = 0 stay exactly, W0 bit for bit, OE has no basis, the violation is undefined; the
+    head still trains and every reported number is finite."""
+    r = _watch(SMALL + ["--k", "96", "--epochs", "1", "--out", str(tmp_path)])
+    assert r["code"] == 0
+    assert "--k 96 fills each block's memory (vit_tiny: width 192) after task 2 of 3" in r["log"]
+    learner, run = r["learners"][0], r["res"]["runs"][0]
+    assert [M.shape[1] for M in learner.memory] == [192] * 2 and learner.oe.V.shape[-1] == 0
+    head = {"heads.2.weight", "heads.2.bias"}
+    expected = {"start_task": head, "train_task": head, "end_task": {"prototypes"}}
+    for t, phase, changed in r["changed"][-5:]:  # task 3's; the memory's QR may flip signs
+        assert t == 2 and changed - {"memory.0", "memory.1"} == expected.get(phase, set())
+    assert all(not layer.A.detach().any() for layer in jm.lora_layers(learner.model))
+    assert run["violation"]["k"][2] == [None] * 2 and max(run["interference"][2]["past"]) == 0
+    assert all(math.isfinite(a) for row in run["acc_matrix"] for a in row if a is not None)
+
+
+def test_the_lines_a_run_prints_name_each_task_and_epoch_and_its_numbers(watched):
+    """Each epoch's line names its task and epoch of all; each task's line its row of the
+    accuracy matrix as results.json has it; the analyses from task 2 on; the run's first line."""
+    for r in watched.values():
+        cfg, log, run = r["cfg"], r["log"], r["res"]["runs"][0]
+        assert re.findall(r"^task (\d+)/(\d+) epoch (\d+)/(\d+) ", log, re.M) == [
+            tuple(map(str, (t + 1, cfg.tasks, e + 1, cfg.epochs))) for t in range(cfg.tasks)
+            for e in range(cfg.epochs)]
+        rows = [row[:t + 1] for t, row in enumerate(run["acc_matrix"])]
+        assert re.findall(r"^task (\d+) accuracy per task: ([\d. ]+?)  \|", log, re.M) == [
+            (str(t + 1), " ".join(f"{a:.2f}" for a in row)) for t, row in enumerate(rows)]
+        assert re.findall(r"^task (\d+) analyses: ", log, re.M) == [
+            str(t + 1) for t in range(1, cfg.tasks)]
+        first = next(line for line in log.splitlines() if line.startswith("synthetic: "))
+        method = jm.describe(r["res"]["config"])
+        assert first.endswith(f" tasks; {method}; cpu fp32; out {r['out']}")
+        assert f", {cfg.tasks} tasks; " in first
 
 
 @pytest.fixture(scope="module")
