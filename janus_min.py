@@ -740,10 +740,10 @@ def record_analyses(record, learner, t, factors, memory, splits, cfg):
     past, now = energy.sqrt().tolist()
     record["interference"].append({"past": past, "current": now})
     record["geometry"].append(dml_geometry(z, y, learner.prototypes, tasks[t][0]))
-    print(f"task {t + 1} analyses: violation {fmt(mean(record['violation']['k'][-1]), '.2e')} (K),"
-          f" {fmt(mean(record['violation']['v'][-1]), '.2e')} (V); past inputs' output change "
-          f"{mean(past):.3g}, the current's {mean(now):.3g}; DML danger share "
-          f"{record['geometry'][-1]['danger']:.3f}", flush=True)
+    violations = [fmt(mean(record["violation"][n][-1]), ".2e") for n in "kv"]
+    print(f"seed {record['seed']} task {t + 1} analyses: violation {violations[0]} (K), "
+          f"{violations[1]} (V); past inputs' output change {mean(past):.3g}, the current's "
+          f"{mean(now):.3g}; DML danger share {record['geometry'][-1]['danger']:.3f}", flush=True)
 
 
 @torch.no_grad()

@@ -1927,7 +1927,7 @@ def _small_world():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(vit.PRESETS, "vit_tiny", functools.partial(vit.PRESETS["vit_tiny"], depth=2))
         mp.setattr(data, "_transforms", transforms)
-        mp.setattr(jm, "plot", lambda results, out: None)
+        mp.setattr(jm, "plot", lambda results, out: [])
         yield mp
 
 
@@ -1996,8 +1996,8 @@ def _watch(argv, stop_at=None):
         seen["dml"].append((margin, tau))
         return out
 
-    def save_checkpoint(learner, record, cfg, weights):
-        real["save_checkpoint"](learner, record, cfg, weights)
+    def save_checkpoint(learner, record, cfg, backbone):
+        real["save_checkpoint"](learner, record, cfg, backbone)
         seen["checkpoints"].append(torch.load(Path(cfg.out) / "checkpoint.pt", weights_only=True))
 
     def spy(name, key, value=lambda *args: args):  # a callee that records value(*its args)
@@ -2170,7 +2170,7 @@ FLAG_ROWS = {  # field: (the watched run or the command that sets it, what shows
     "dataset": ("flags", lambda r: [args[0] for args in r["datasets"]] == ["synthetic"]),
     "data_dir": ("flags", lambda r: r["datasets"][0][1] == str(r["out"].parent / "data")),
     "tasks": ("flags", lambda r: len(r["res"]["runs"][0]["acc_matrix"]) == 2),
-    "epochs": ("flags", lambda r: re.findall(r"^task 2/2 epoch (.*?) ", r["log"], re.M)
+    "epochs": ("flags", lambda r: re.findall(r"^seed \d+ task 2/2 epoch (.*?) ", r["log"], re.M)
                == ["1/2", "2/2"]),
     "batch_size": ("flags", lambda r: {args[0] for args in r["loaders"]} == {8}),
     "img_size": ("flags", lambda r: r["datasets"][0][2] == 16
@@ -2488,13 +2488,14 @@ def test_the_lines_a_run_prints_name_each_task_and_epoch_and_its_numbers(watched
     accuracy matrix as results.json has it; the analyses from task 2 on; the run's first line."""
     for r in watched.values():
         cfg, log, run = r["cfg"], r["log"], r["res"]["runs"][0]
-        assert re.findall(r"^task (\d+)/(\d+) epoch (\d+)/(\d+) ", log, re.M) == [
+        seed = f"seed {run['seed']} "
+        assert re.findall(rf"^{seed}task (\d+)/(\d+) epoch (\d+)/(\d+) ", log, re.M) == [
             tuple(map(str, (t + 1, cfg.tasks, e + 1, cfg.epochs))) for t in range(cfg.tasks)
             for e in range(cfg.epochs)]
         rows = [row[:t + 1] for t, row in enumerate(run["acc_matrix"])]
-        assert re.findall(r"^task (\d+) accuracy per task: ([\d. ]+?)  \|", log, re.M) == [
+        assert re.findall(rf"^{seed}task (\d+) accuracy per task: ([\d. ]+?)  \|", log, re.M) == [
             (str(t + 1), " ".join(f"{a:.2f}" for a in row)) for t, row in enumerate(rows)]
-        assert re.findall(r"^task (\d+) analyses: ", log, re.M) == [
+        assert re.findall(rf"^{seed}task (\d+) analyses: ", log, re.M) == [
             str(t + 1) for t in range(1, cfg.tasks)]
         first = next(line for line in log.splitlines() if line.startswith("synthetic: "))
         method = jm.describe(r["res"]["config"])
