@@ -2444,11 +2444,16 @@ def test_a_resume_after_the_first_task_carries_the_whole_learner(watched, tmp_pa
     """Ctrl-C as task 2 starts, then --resume: each checkpoint after it equals the uninterrupted
     run's, field by field (the K/V layers, the heads, V, the memory, the prototypes, the generator,
     the record but its times), and so do the results."""
-    ref, out = watched[run], tmp_path / run
-    first = _watch(_without(ref["argv"], "--out") + ["--out", str(out)], stop_at=2)
+    _resume_and_compare(watched[run], tmp_path / run, stop_at=2)
+
+
+def _resume_and_compare(ref, out, stop_at):
+    """ref's run again into out, Ctrl-C as task stop_at starts, then --resume: each checkpoint
+    and the results, but their times, as ref's."""
+    first = _watch(_without(ref["argv"], "--out") + ["--out", str(out)], stop_at=stop_at)
     resumed = _watch(["--resume", str(out)])
     assert first["code"] == 130 and resumed["code"] == 0
-    assert f"seed {ref['cfg'].seeds[0]}: resumed after task 1" in resumed["log"]
+    assert f"seed {ref['cfg'].seeds[0]}: resumed after task {stop_at - 1}" in resumed["log"]
     checkpoints = first["checkpoints"] + resumed["checkpoints"]
     assert len(checkpoints) == len(ref["checkpoints"]) == ref["cfg"].tasks
     times = ("task_seconds", "throughput")
@@ -2462,6 +2467,20 @@ def test_a_resume_after_the_first_task_carries_the_whole_learner(watched, tmp_pa
     a, b = ref["res"]["runs"][0], resumed["res"]["runs"][0]
     assert _same({k: v for k, v in a.items() if k not in times},
                  {k: v for k, v in b.items() if k not in times})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_run_resumed_after_task_2_gives_the_uninterrupted_run(tmp_path):
+    """On CUDA, in bf16 autocast, with the deterministic kernels that make two runs comparable:
+    Ctrl-C after task 2 of 3, then --resume; every later checkpoint and the results bit for bit."""
+    torch.use_deterministic_algorithms(True, warn_only=True)  # e.g. attention's backward
+    try:
+        argv = _without(SMALL, "--device") + ["--device", "cuda"]
+        ref = _watch(argv + ["--out", str(tmp_path / "ref")])
+        assert ref["code"] == 0 and ref["res"]["environment"]["precision"] == "cuda bf16"
+        _resume_and_compare(ref, tmp_path / "resumed", stop_at=3)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 # ---- Beyond: a memory that fills, and the lines a run prints
