@@ -134,8 +134,9 @@ class Config:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("bf16", "CUDA's: bf16 autocast (ours) or fp32 (InfLoRA's); CPU: fp32",
                           choices=["bf16", "fp32"])
-    compile: str = _opt("off", "on: the ViT's blocks compiled by torch.compile (ours)",
-                        choices=["on", "off"], nargs="?", const="on")
+    compile: str = _opt("auto", "the ViT's blocks compiled by torch.compile (ours); auto: on "
+                        "for CUDA, off on a CPU (see compiled)", choices=["auto", "on", "off"],
+                        nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
     out: str = _opt(None, "output folder (default: runs/<dataset>-<time>)")
     resume: str = _opt(None, "continue the run in this folder after its last finished task")
@@ -504,13 +505,19 @@ def build_model(cfg):
     return model.eval(), path
 
 
+def compiled(cfg):
+    """Whether the ViT's blocks run compiled. --compile auto compiles on CUDA, where a whole run
+    gains from it (README: Speed), and not on a CPU, where TorchInductor needs a C++ compiler."""
+    return cfg.compile == "on" or (cfg.compile == "auto" and cfg.device.startswith("cuda"))
+
+
 def start_learner(cfg, seed, backbone):
     """A learner for one seed: a copy of the backbone, fresh LoRA pairs and OE, no memory yet."""
     torch.manual_seed(seed)  # the only generator a run draws from; the loaders seed their own
     model = copy.deepcopy(backbone).to(cfg.device)
     for layer in lora_layers(model):
         layer.reset_()  # the first task's A comes from this seed too
-    if cfg.compile == "on":  # ours: compiled in place, so the checkpoints' names stay the same
+    if compiled(cfg):  # ours: compiled in place, so the checkpoints' names stay the same
         # A block is traced anew for each new shape, and the memory's width grows each task. Its
         # width, a plain attribute's (LoRALinear.M), soon becomes a dynamic size, but the traces
         # of the first tasks, with and without gradients, exceed dynamo's default of 8.
@@ -1340,7 +1347,7 @@ def environment(cfg):
     device = torch.cuda.get_device_name(cfg.device) if cuda else cpu
     return {"torch": torch.__version__, "torchvision": torchvision.__version__, "device": device,
             "precision": f"{cfg.device} {cfg.precision if cuda else 'fp32'}",
-            "code": code_version()}
+            "compiled": compiled(cfg), "code": code_version()}
 
 
 def code_version():
@@ -1539,7 +1546,7 @@ def benchmark(cfg):
               for name, t in ms.items()}
     env = environment(cfg)
     print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns a block, "
-          f"{env['precision']}, compile {cfg.compile}, {cfg.steps} rounds:\n"
+          f"{env['precision']}, compiled {env['compiled']}, {cfg.steps} rounds:\n"
           "variant        ms/step  images/s  peak MiB  x plain (median)")
     for name, r in report.items():
         print(f"{name:14s} {r['ms_per_step']:7.1f} {r['images_per_s']:9.1f} "

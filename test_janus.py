@@ -2213,7 +2213,9 @@ FLAG_ROWS = {  # field: (the watched run or the command that sets it, what shows
               and [args[3] for args in r["loaders"] if args[1]] == [3000, 3001]),
     "device": (SMALL, lambda argv: _device_chosen(argv) == ["cuda", "cpu"]),
     "precision": ("flags", lambda r: "--precision" in _noted(r)),  # autocast is CUDA's
-    "compile": (SMALL + ["--compile"], lambda argv: _compiled_blocks(argv) == [True] * 12),
+    "compile": (SMALL + ["--compile"], lambda argv: _compiled_blocks(argv) == [True] * 12
+                and _compiled_blocks(SMALL) == [False] * 12 and jm.compiled(dataclasses.replace(
+                    jm.configure(SMALL)[0], device="cuda"))),  # auto: on for CUDA only
     "workers": ("flags", lambda r: {args[2] for args in r["loaders"]} == {os.cpu_count() + 1}),
     "out": ("flags", lambda r: r["res"]["config"]["out"] == str(r["out"])),
     "resume": (["--resume", "{flags}"], lambda argv: jm.differ(
@@ -2475,7 +2477,7 @@ def test_a_cuda_run_resumed_after_task_2_gives_the_uninterrupted_run(tmp_path):
     Ctrl-C after task 2 of 3, then --resume; every later checkpoint and the results bit for bit."""
     torch.use_deterministic_algorithms(True, warn_only=True)  # e.g. attention's backward
     try:
-        argv = _without(SMALL, "--device") + ["--device", "cuda"]
+        argv = _without(SMALL, "--device") + ["--device", "cuda", "--compile", "off"]  # eager
         ref = _watch(argv + ["--out", str(tmp_path / "ref")])
         assert ref["code"] == 0 and ref["res"]["environment"]["precision"] == "cuda bf16"
         _resume_and_compare(ref, tmp_path / "resumed", stop_at=3)
