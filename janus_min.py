@@ -2,19 +2,21 @@
 stable by Online Estimation (OE) and Gradient Rectification (GR), plastic by the Decoupled Margin
 Loss (DML).
 
-Read it top-down beside the paper: (1) the method, one training step and what it calls; (2) our
-variant of GR and the baselines; (3) the protocol, from a learner's start to a task's metrics and
-the paper's analyses; (4) the program around them. Parts 1-3 use nothing defined in part 4.
-Equations are numbered as in the paper's LaTeX source.
+Read it top-down beside the paper: (1) the method, from train_step, one training step, to what it
+calls; (2) our variant of GR and the baselines; (3) the protocol, from a learner's start to a
+task's metrics and the paper's analyses; (4) the program around them. Parts 1-3 use nothing
+defined in part 4. Equations are numbered as in the paper's LaTeX source.
 
-One run calls, in order: main -> run -> run_seed, which for each task calls start_task, then
-train_task (a loop of train_step, the method's step), end_task and evaluate. To read the method,
-go straight to train_step, the first function of part 1.
+One run calls, in order: main -> run -> run_seed, which for each task calls start_task,
+train_task (a loop of train_step), end_task, evaluate and record_analyses; run then saves a
+checkpoint. To read the method, go straight to train_step, the first function of part 1.
 
 Where the code reads the paper differently, or fills a silence (the README says why):
-- M, not V: the safe gradient projects with M, the finished tasks' OE bases; a task's V joins M
-  at its end (train_step, protected, OnlineSubspace.merge, end_task). --memory oe-rolling projects
-  with V itself, as the paper's words read literally.
+- M, not V: the safe gradient projects with M, the finished tasks' OE bases, one M a block for
+  its K and V; a task's V, k columns, joins M at its end until M fills the width (train_step,
+  protected, OnlineSubspace.merge, end_task). --memory oe-rolling projects with V itself, as the
+  paper's words read literally.
+- G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix says the task's (train_step).
 - OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step follows
   Adam's, on the same batch (OnlineSubspace.update, train_step).
 - OE's step, Eq. (9), is preconditioned by S^-1, S = V^T X_p^T X_p V, and eta decays as
@@ -26,12 +28,13 @@ Where the code reads the paper differently, or fills a silence (the README says 
   over the batch and the old prototypes, the finished classes' mean features (dml_loss, end_task).
 - LoRA's life: s = 1; each task a fresh pair, A off M and B = 0, merged into W0 at the task's end
   (LoRALinear.reset_, LoRALinear.merge_).
-- Under bf16 autocast the projection, GR and OE stay in float32 (LoRALinear.forward,
-  OnlineSubspace.update).
+- Under bf16 autocast A's split off M, GR and OE stay in float32, their small systems in float64
+  (LoRALinear.forward, rectify_factors, OnlineSubspace.update).
 - Ours beside the paper's: GR on Adam's step, --rectify update (rectified_adam_step_); the
-  task-aware accuracy (evaluate).
-- The protocol is the InfLoRA codebase's: inputs in [0, 1] (Config.input_range), its lr schedule
-  (lr_factor), GPM's thresholds (end_task, gpm_extend).
+  task-aware accuracy (evaluate); Fig. 2's violation relative, ||dW M|| / ||dW|| (violation).
+- The protocol is the InfLoRA codebase's: inputs in [0, 1] (Config.input_range), classes in
+  natural order (data.task_classes), a fresh Adam and lr schedule each task (adam, lr_factor),
+  GPM's thresholds (end_task, gpm_extend).
 
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
 ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024), on which the paper
@@ -107,11 +110,11 @@ class Config:
     lora_scale: float = _opt(1.0, "LoRA scale s of Eq. (1) (ours: the paper does not give it)")
     # The method (Sec. 3 and 4.1), and our readings where the paper is silent (README).
     method: str = _opt(None, "a method of the paper's tables: its flags, put before yours")
-    lr: float = _opt(5e-4, "Adam's learning rate (Sec. 4.1; the InfLoRA codebase)")
+    lr: float = _opt(5e-4, "Adam's learning rate (the InfLoRA codebase's; the paper gives none)")
     schedule: str = _opt("inflora", "lr per epoch: InfLoRA's quarter cosine, or a half cosine",
                          choices=["inflora", "cosine"])
-    k: int = _opt(50, "rank k of each block's OE basis V per task (Sec. 4.1)")
-    oe_lr: float = _opt(1.0, "OE's step eta at a task's start; 1: subspace iteration (ours)")
+    k: int = _opt(50, "rank k of each block's OE basis V (Sec. 4.1); M grows by k a task (ours)")
+    oe_lr: float = _opt(1.0, "OE's step eta at a task's start; 1: one of subspace iteration (ours)")
     oe_decay_steps: int = _opt(5, "OE's step halves after this many, then decays as 1/t (ours)")
     delta: float = _opt(1e-4, "GR's ridge delta, relative to the mean eigenvalue (ours)")
     margin: float = _opt(0.3, "DML's margin m (Sec. 4.1)")
@@ -170,7 +173,7 @@ def train_step(learner, opt, images, y, cfg):
     # The loss, Eq. (12): the current head's cross-entropy plus lambda times DML, Eq. (11).
     # z (B, D) is the class token after the final LayerNorm; kv_inputs[i] (B, N+1, D) is block i's
     # LayerNorm-ed input, which its K and V layers, LoRALinear below, share. On CUDA the frozen
-    # backbone runs under bf16 autocast (--precision), the LoRA layers' projection in float32.
+    # backbone runs under bf16 autocast (--precision); LoRALinear splits A off M in float32.
     bf16 = images.is_cuda and cfg.precision == "bf16"
     with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):
         z, kv_inputs = model.encode(images)
@@ -307,6 +310,7 @@ def rectify_factors(BtG, GAt, A, B, scale, delta):
     d_out x d_in, is never formed. In float64, as the r x r systems can be ill-conditioned."""
     dtype = BtG.dtype
     BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
+    # dA scales as 1 / |B|: large while B is small, and 0 at a task's first step, where B = 0.
     dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6); delta relative (ours)
     RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
     dB = spd_solve(ridge(gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
@@ -360,7 +364,7 @@ class OnlineSubspace:
             S.append(gram(xv))  # (k, k): the energy that each direction of V captures
         C = off_span(torch.stack(XtXV), M)  # X_p^T X_p V
         S = ridge(torch.stack(S), 1e-6)  # invertible even when X = 0
-        grad = -(C - V @ (V.mT @ C))  # the gradient of Eq. (8) at an orthonormal V
+        grad = -(C - V @ (V.mT @ C))  # Eq. (8)'s gradient -2C + C V^T V + V V^T C, at V^T V = I
         grad = spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
         # Ours: eta decays as 5 / (5 + t), which averages the batches' noise. At eta = 1 the step
         # is one of subspace iteration: S = V^T C, so V - grad = C S^-1 = X_p^T X_p V S^-1, whose
@@ -688,7 +692,7 @@ def class_prototypes(z, y, classes):
 
 @torch.no_grad()
 def evaluate(model, heads, splits, tasks, cfg):
-    """Row t of the accuracy matrices, per seen task: task-agnostic (the paper's: the argmax over
+    """Row t of the accuracy matrices, per seen task: task-agnostic (InfLoRA's: the argmax over
     all heads) and task-aware (ours: the true task's head); and over the seen test samples."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
     z, y = features(model, data.subset(splits.test, seen.tolist()), cfg)
