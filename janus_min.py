@@ -8,14 +8,13 @@ task's metrics and the paper's analyses; (4) the program around them. Parts 1-3 
 defined in part 4. Equations are numbered as in the paper's LaTeX source.
 
 One run calls, in order: main -> run -> run_seed, which for each task calls start_task,
-train_task (a loop of train_step), end_task, evaluate and record_analyses; run then saves a
+train_task (a loop of train_step), end_task, evaluate, record_analyses and run's after_task, a
 checkpoint. To read the method, go straight to train_step, the first function of part 1.
 
 Where the code reads the paper differently, or fills a silence (the README says why):
-- M, not V: the safe gradient projects with M, the finished tasks' OE bases, one M a block for
-  its K and V; a task's V, k columns, joins M at its end until M fills the width (train_step,
-  protected, OnlineSubspace.merge, end_task). --memory oe-rolling projects with V itself, as the
-  paper's words read literally.
+- M, not V: the safe gradient projects with M, the finished tasks' OE bases, one a block for K
+  and V; a task's V (k columns) joins M at its end until M fills the width (protected, end_task,
+  OnlineSubspace.merge). --memory oe-rolling projects with V, as the paper's words read.
 - G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix says the task's (train_step).
 - OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step follows
   Adam's, on the same batch (OnlineSubspace.update, train_step).
@@ -155,7 +154,8 @@ class Config:
 # ==== 1. The method (Sec. 3) ======================================================================
 @dataclass
 class Learner:
-    """What the method carries from one task to the next."""
+    """What the method carries from one task to the next. During task t each block's memory M is
+    fixed: OE's k (t - 1) columns, at most D; OE's V trains off M and joins it at the task's end."""
     model: nn.Module  # the frozen ViT; its K and V layers are LoRALinear, merged at each task's end
     heads: nn.ModuleList  # one linear head per task so far; the last is the current task's
     oe: "OnlineSubspace"  # OE's basis V of each block for the current task; None without OE
@@ -216,7 +216,7 @@ def train_step(learner, opt, images, y, cfg):
 class LoRALinear(nn.Linear):
     """Eq. (1): a frozen linear layer W0 (the ViT's K or V) plus s B A, with A (r, d_in) and
     B (d_out, r) trained. M (d_in, m) is the orthonormal memory of its block that the layer's
-    updates stay off, set at each task's start (start_task)."""
+    gradients stay off, set at each task's start (start_task)."""
 
     def __init__(self, in_features, out_features, rank, scale):
         super().__init__(in_features, out_features)  # W0 and its bias, the checkpoint's
