@@ -504,9 +504,9 @@ def build_model(cfg):
     kv_layer = partial(LoRALinear, rank=cfg.rank, scale=cfg.lora_scale)
     model = vit.PRESETS[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size,
                                    kv_layer=kv_layer)
-    path = vit.load_pretrained(model, cfg.weights)
+    weights_file = vit.load_pretrained(model, cfg.weights)
     model.requires_grad_(False)  # frozen: start_task lets the LoRA factors train
-    return model.eval(), path
+    return model.eval(), weights_file
 
 
 def compiled(cfg):
