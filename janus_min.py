@@ -137,7 +137,7 @@ class Config:
     precision: str = _opt("bf16", "CUDA's: bf16 autocast (ours) or fp32 (InfLoRA's); CPU: fp32",
                           choices=["bf16", "fp32"])
     compile: str = _opt("auto", "the ViT's blocks compiled by torch.compile (ours); auto: on "
-                        "for CUDA, off on a CPU (see compiled)", choices=["auto", "on", "off"],
+                        "for CUDA, off on a CPU (README: Speed)", choices=["auto", "on", "off"],
                         nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
     out: str = _opt(None, "output folder (default: runs/<dataset>-<time>)")
@@ -154,8 +154,8 @@ class Config:
 # ==== 1. The method (Sec. 3) ======================================================================
 @dataclass
 class Learner:
-    """What the method carries from one task to the next. During task t each block's memory M is
-    fixed: OE's k (t - 1) columns, at most D; OE's V trains off M and joins it at the task's end."""
+    """What the method carries from one task to the next. Under --memory oe each block's M is fixed
+    during a task, k columns more each task (at most D); V trains off it and joins it at the end."""
     model: nn.Module  # the frozen ViT; its K and V layers are LoRALinear, merged at each task's end
     heads: nn.ModuleList  # one linear head per task so far; the last is the current task's
     oe: "OnlineSubspace"  # OE's basis V of each block for the current task; None without OE
@@ -1165,13 +1165,17 @@ def load_data_and_model(cfg):
 
 def backbone_file(weights):
     """Which backbone a run started from: its file's path and the SHA-256 of its content."""
-    if not weights:
-        return None
-    sha = hashlib.sha256()
-    with open(weights, "rb") as f:
-        for block in iter(partial(f.read, 2**20), b""):  # 1 MiB at a time
-            sha.update(block)
-    return {"path": os.path.abspath(weights), "sha256": sha.hexdigest()}
+    return {"path": os.path.abspath(weights), "sha256": sha256(weights)} if weights else None
+
+
+def sha256(*paths):
+    """The SHA-256 of the files' contents, one after the other, read 1 MiB at a time."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(partial(f.read, 2**20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def save_checkpoint(learner, record, cfg, backbone):
@@ -1357,10 +1361,6 @@ def environment(cfg):
 def code_version():
     """The code that ran: the SHA-256 of janus_min.py, vit.py and data.py, and git's commit of
     their folder, '-dirty' with changes not committed (None outside git, or without git)."""
-    digest = hashlib.sha256()
-    for path in (__file__, vit.__file__, data.__file__):
-        with open(path, "rb") as f:
-            digest.update(f.read())
     try:
         git = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
                              cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
@@ -1368,7 +1368,7 @@ def code_version():
         commit = git.stdout.strip() if git.returncode == 0 else None
     except OSError:  # no git on this machine
         commit = None
-    return {"sha256": digest.hexdigest(), "git": commit}
+    return {"sha256": sha256(__file__, vit.__file__, data.__file__), "git": commit}
 
 
 # ---- Results: results.json's entries and the summary ---------------------------------------------
@@ -1612,7 +1612,7 @@ def reproduce(cfg, typed):
           f"into {q(out)}")
     for row in [cfg.row] if cfg.row else rows:
         folder = os.path.join(out, row)
-        if not cfg.dry_run and (holder := hold(folder)):  # until main ends; its run holds it too
+        if not cfg.dry_run and (holder := hold(folder)):  # until main ends; run() finds it held
             print(f"{row}: {q(folder)} is in use by {holder}: skipped, that process runs it")
             continue
         argv = common + rows[row].split() + ["--out", folder]
