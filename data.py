@@ -212,19 +212,30 @@ def _fashion_mnist(root, download):
     return [(arrays[0][:, None], arrays[1].tolist()), (arrays[2][:, None], arrays[3].tolist())]
 
 
-def _synthetic(img_size, seed, per_class=(24, 8)):
-    """Per class a smooth random colour pattern; per image a shift of up to one 16 px patch and
-    Gaussian noise: classes easy to tell apart, no two images equal."""
-    classes, gen = DATASETS["synthetic"]["num_classes"], torch.Generator().manual_seed(seed)
-    coarse = torch.rand(classes, 3, 4, 4, generator=gen)  # (C, 3, 4, 4), upsampled: smooth
-    templates = F.interpolate(coarse, size=(img_size, img_size), mode="bilinear")  # (C, 3, H, W)
-    shift, parts = max(1, img_size // 16), []
+def _synthetic(img_size, seed, per_class=(24, 8), patterns=8):
+    """Tasks whose images occupy different input subspaces, as real tasks' largely do: the premise
+    of the paper's memory (Fig. 2), modelled in its plainest form. Each task of the default split
+    has its own `patterns` random patterns of a tile; an image is a 4 x 4 grid of tiles (ViT-B/16's
+    patches at the default 64 px), each a random mix of its task's patterns about its class's
+    mean mix, on grey, plus pixel noise. A mix varies about its class's mean as much as the
+    classes' means differ, so the classes of a task overlap, as real ones do, and a backbone that
+    drifts costs them accuracy. Tasks share the grey, the position embeddings and the class token:
+    what the first task's memory captures along with that task's own patterns."""
+    classes, tasks = DATASETS["synthetic"]["num_classes"], DATASETS["synthetic"]["tasks"]
+    gen = torch.Generator().manual_seed(seed)
+    tile = -(-img_size // 4)  # a 4 x 4 grid of tiles, cropped to img_size
+    bank = torch.randn(tasks, patterns, 3 * tile * tile, generator=gen)  # (T, P, 3 t t)
+    means = torch.randn(classes, patterns, generator=gen)  # (C, P): each class's mean mix
+    parts = []
     for n in per_class:
-        labels = torch.arange(classes).repeat_interleave(n)  # (C*n,)
-        moves = torch.randint(-shift, shift + 1, (len(labels), 2), generator=gen)  # (C*n, 2)
-        imgs = torch.stack([templates[c].roll(tuple(m.tolist()), dims=(1, 2))
-                            for c, m in zip(labels, moves)])
-        imgs = imgs + 0.1 * torch.randn(imgs.shape, generator=gen)  # noise std 0.1 on [0, 1]
+        labels = torch.arange(classes).repeat_interleave(n)  # (N,)
+        mixes = means[labels, None] + torch.randn(len(labels), 16, patterns, generator=gen)
+        tiles = mixes @ bank[labels // (classes // tasks)] / patterns**0.5  # (N, 16, 3 t t)
+        grid = tiles.view(-1, 4, 4, 3, tile, tile).permute(0, 3, 1, 4, 2, 5)  # (N, 3, 4, t, 4, t)
+        imgs = grid.reshape(-1, 3, 4 * tile, 4 * tile)[..., :img_size, :img_size]  # (N, 3, H, W)
+        # pixels about grey 0.5 with a std of about 0.2 (0.15 times a mix's sqrt(2)), rarely
+        # clipped, and noise of std 0.05: no two images equal
+        imgs = 0.5 + 0.15 * imgs + 0.05 * torch.randn(imgs.shape, generator=gen)
         parts.append(((imgs.clamp(0, 1) * 255).round().to(torch.uint8), labels.tolist()))
     return parts
 

@@ -600,8 +600,9 @@ class Diverged(Exception):
 
 def train_task(learner, t, tasks, splits, cfg, seed):
     """Task t's training: cfg.epochs epochs of train_step, a line per epoch and one every 30 s
-    within a long epoch, the first of which, in the run's first epoch, says how long its training
-    takes at that speed. Returns the images per second of each epoch."""
+    within a long epoch; in the run's first epoch, at its first 30-s line or at its end, a note of
+    how long the run's training takes at that speed. Returns the images per second of each
+    epoch."""
     local = torch.full((splits.num_classes,), -1, device=cfg.device)  # class id -> head's index
     local[tasks[t]] = torch.arange(len(tasks[t]), device=cfg.device)
     images = data.subset(splits.train, tasks[t])
@@ -610,7 +611,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
                               cfg.device)
     opt = adam(learner, cfg)
     speeds = []
-    estimate = t == 0 and seed == cfg.seeds[0]  # in the run's first epoch, once
+    pending = t == 0 and seed == cfg.seeds[0]  # the run's estimate, due in its first epoch
     for epoch in range(cfg.epochs):
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
@@ -626,12 +627,9 @@ def train_task(learner, t, tasks, splits, cfg, seed):
                 shown = time.time()
                 print(f"seed {seed} task {t + 1} epoch {epoch + 1}: {i}/{len(loader)} steps, loss "
                       f"{float(loss_sum) / seen:.4f}", flush=True)
-                if estimate and epoch == 0:  # at the run's start: a ViT-B on a CPU takes days
-                    estimate, speed = False, seen / (shown - start)
-                    total = cfg.epochs * len(splits.train) * len(cfg.seeds)  # images to train
-                    print(f"note: at {speed:.1f} img/s on {cfg.device}, the run's training "
-                          f"({cfg.epochs} epoch(s) of {len(splits.train)} images, {len(cfg.seeds)} "
-                          f"seed(s)) takes about {duration(total / speed)}", flush=True)
+                if pending:  # 30 s into a long first epoch: a ViT-B on a CPU takes days
+                    pending = False
+                    print(estimate(seen / (shown - start), splits, cfg), flush=True)
         loss = float(loss_sum) / seen
         if not math.isfinite(loss):  # a diverged run must not go on to write results
             raise Diverged(f"task {t + 1} epoch {epoch + 1}: the loss is {loss}; lower --lr and "
@@ -640,7 +638,18 @@ def train_task(learner, t, tasks, splits, cfg, seed):
         print(f"seed {seed} task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss "
               f"{loss:.4f}  train acc {100.0 * float(correct) / seen:5.2f}%  "
               f"{speeds[-1]:7.1f} img/s", flush=True)
+        if pending:  # the end of a first epoch shorter than 30 s
+            pending = False
+            print(estimate(speeds[-1], splits, cfg), flush=True)
     return speeds
+
+
+def estimate(speed, splits, cfg):
+    """The note of how long the run's training takes at `speed` images per second."""
+    total = cfg.epochs * len(splits.train) * len(cfg.seeds)  # images to train
+    return (f"note: at {speed:.1f} img/s on {cfg.device}, the run's training ({cfg.epochs} "
+            f"epoch(s) of {len(splits.train)} images, {len(cfg.seeds)} seed(s)) takes about "
+            f"{duration(total / speed)}")
 
 
 def adam(learner, cfg):
@@ -752,9 +761,11 @@ def record_analyses(record, learner, t, factors, memory, splits, cfg):
     record["interference"].append({"past": past, "current": now})
     record["geometry"].append(dml_geometry(z, y, learner.prototypes, tasks[t][0]))
     violations = [fmt(mean(record["violation"][n][-1]), ".2e") for n in "kv"]
-    print(f"seed {record['seed']} task {t + 1} analyses: violation {violations[0]} (K), "
-          f"{violations[1]} (V); past inputs' output change {mean(past):.3g}, the current's "
-          f"{mean(now):.3g}; DML danger share {record['geometry'][-1]['danger']:.3f}", flush=True)
+    print(f"seed {record['seed']} task {t + 1} analyses: its K/V update changed the outputs of "
+          f"the past tasks' test images by {mean(past):.3g} (RMS), its own by {mean(now):.3g} "
+          f"(Fig. 2); ||dW M|| / ||dW|| {violations[0]} (K), {violations[1]} (V); "
+          f"{100 * record['geometry'][-1]['danger']:.1f}% of its test images in DML's danger "
+          "zone, within cosine 0.5 of an old class (Fig. 3)", flush=True)
 
 
 @torch.no_grad()
@@ -856,12 +867,19 @@ def path(name, text):
     return os.path.join(".", text) if text.startswith("-") else text
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors in one line: --help gives the usage."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (--help lists the flags)\n")
+
+
 def parser():
-    """argparse's parser of Config's fields; what it returns holds only the flags typed."""
-    p = argparse.ArgumentParser(prog="janus_min.py", description=__doc__.split("\n\n")[0],
-                                epilog=EXAMPLES, argument_default=argparse.SUPPRESS,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)  # a prefix is no flag: --seed is not --seeds
+    """The parser of Config's fields; what it returns holds only the flags typed."""
+    p = Parser(prog="janus_min.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+               argument_default=argparse.SUPPRESS,
+               formatter_class=argparse.RawDescriptionHelpFormatter,
+               allow_abbrev=False)  # a prefix is no flag: --seed is not --seeds
     choices = {"method": list(METHODS), "reproduce": list(REPRODUCE)}
     for f in fields(Config):
         kw = dict(f.metadata)
@@ -869,11 +887,10 @@ def parser():
             kw["type"] = partial(path, flag(f.name))
         if f.name in choices:
             kw["choices"] = choices[f.name]
-        if f.type is bool and f.default:  # the ablation's switches: on unless --no-NAME
-            p.add_argument("--no-" + f.name, dest=f.name, action="store_false",
-                           help="turn off " + kw["help"])
-            continue
-        if f.type is not bool:
+        if f.type is bool and f.default:  # the ablation's switches: --NAME and --no-NAME
+            kw["action"] = argparse.BooleanOptionalAction
+            kw["help"] += " (default: on)"
+        elif f.type is not bool:
             kw.setdefault("type", f.type)
             shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
             kw["help"] += "" if f.default is None else f" (default: {shown})"
