@@ -17,7 +17,7 @@ import shutil
 import struct
 import tarfile
 from collections import namedtuple
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,7 @@ DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=
                 ("cifar100", 100, 10, 20, 128, 224), ("imagenet-r", 200, 10, 50, 128, 224),
                 ("domainnet", 345, 5, 5, 128, 224), ("imagenet100", 100, 10, 10, 128, 224),
                 ("fashion-mnist", 10, 5, 1, 128, 224), ("synthetic", 12, 3, 20, 16, 64)]}
+IN_MEMORY = ("synthetic", "cifar100", "fashion-mnist")  # held as arrays: no loader processes
 CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
 IMAGENET_R_URL = "https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar"
 DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
@@ -137,31 +138,44 @@ def _folder(root, wnids):
 
 def _imagenet_r(root, download):
     """imagenet-r/train/ + test/ as they are (LAE's), else imagenet-r/<wnid>/ split 80/20 per class,
-    drawn once into imagenet-r_split.json and then read from it."""
-    folder, split_file = root / "imagenet-r", root / "imagenet-r_split.json"
+    drawn once into imagenet-r_split.json beside it and then read from it. root may be imagenet-r/
+    itself."""
+    folder = root if root.name == "imagenet-r" and not (root / "imagenet-r").is_dir() else (
+        root / "imagenet-r")
+    split_file = folder.parent / "imagenet-r_split.json"
     if not folder.is_dir():
         _unpack(root, IMAGENET_R_URL, folder.name, download)
     if (folder / "train").is_dir() and (folder / "test").is_dir():
         return [_folder(folder / part, _ls(folder / "train", True)) for part in ("train", "test")]
     wnids = _ls(folder, dirs=True)
+    images = {w: [f"{w}/{f}" for f in _ls(folder / w)] for w in wnids}  # each class's, sorted
     if split_file.is_file():
+        present = {p for files in images.values() for p in files}
         with _reading(split_file, "delete it to split again"):
             split = json.loads(split_file.read_text(encoding="utf-8"))
             paths = split["train"] + split["test"]  # a TypeError unless two lists
-            missing = next((p for p in paths if not (folder / p).is_file()), None)
+            missing = next((p for p in paths if p not in present), None)
             if missing is not None:  # now, not as a FileNotFoundError hours into training
                 raise ValueError(f"it lists {folder / missing}, which is missing")
             if {p.split("/")[0] for p in paths} != set(wnids):
                 raise ValueError(f"its classes are not the class folders in {folder}")
+        if len(present) > len(paths):  # the split pins its images: those added since go unused
+            print(f"note: {split_file} leaves out the {len(present) - len(paths)} images added to "
+                  f"{folder} since it was drawn: to use them, delete it (a new split: not for a "
+                  "run that has begun)")
     else:  # per class (~50 to 400+ images), from sorted paths and seed 0: the benchmark's split
         gen, split = torch.Generator().manual_seed(0), {"train": [], "test": []}
-        for w in wnids:
-            files = [f"{w}/{f}" for f in _ls(folder / w)]
+        for w, files in images.items():
             order = torch.randperm(len(files), generator=gen).tolist()
             n_test = round(0.2 * len(files))  # the protocol's 80/20
+            if not 0 < n_test < len(files):  # 0 to 2 images leave a part without the class
+                raise ValueError(f"its class {folder / w} has {len(files)} images, too few to "
+                                 "split 80/20: it needs 3 or more")
             split["test"] += [files[i] for i in order[:n_test]]
             split["train"] += [files[i] for i in order[n_test:]]
-        if os.access(root, os.W_OK):  # a read-only copy goes without: inspection only
+        # kept when whole (else load_dataset says what is missing); a read-only copy goes without
+        if len(wnids) == DATASETS["imagenet-r"]["num_classes"] and os.access(folder.parent,
+                                                                             os.W_OK):
             split_file.write_text(json.dumps(split, indent=0))
     label = {w: y for y, w in enumerate(wnids)}
     return [([str(folder / p) for p in split[part]], [label[p.split("/")[0]] for p in split[part]])
@@ -265,7 +279,7 @@ def _transforms(name, img_size, mean, std):
     tail = [T.ToTensor(), norm]
     tfs = T.Compose(train + [T.RandomHorizontalFlip()] + tail), T.Compose(test + tail)
     specs = Batched(img_size, name == "cifar100", True, mean, std), plain  # cropped: CIFAR only
-    return tfs, specs if name in ("cifar100", "fashion-mnist") else (None, None)
+    return tfs, specs if name in IN_MEMORY else (None, None)
 
 
 def thin(splits, limit, seed):
@@ -298,13 +312,20 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, download=True):
             raise DataError(f"--data-dir {root} is a file: pass the folder that holds {name}, or "
                             "is to receive it.")
         fix = f"put {source} there and pass --data-dir {shlex.quote(str(root))}"
-        with _reading(f"{name} in {root}", fix):
-            (train, train_y), (test, test_y) = loader(root, download)
-            if len(train) != len(train_y) or len(test) != len(test_y):
-                raise ValueError("its numbers of images and labels differ")
-            if not set(train_y) == set(test_y) == set(range(classes)):
-                raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
-                                 f"classes, not {classes}: incomplete, or another data set")
+        made = not root.exists()
+        try:
+            with _reading(f"{name} in {root}", fix):
+                (train, train_y), (test, test_y) = loader(root, download)
+                if len(train) != len(train_y) or len(test) != len(test_y):
+                    raise ValueError("its numbers of images and labels differ")
+                if not set(train_y) == set(test_y) == set(range(classes)):
+                    raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
+                                     f"classes, not {classes}: incomplete, or another data set")
+        except DataError:
+            if made:  # by a download that failed: it goes, if empty
+                with suppress(OSError):
+                    root.rmdir()
+            raise
     (train_tf, test_tf), (train_b, test_b) = _transforms(name, img_size, mean, std)
     return Splits(_Images(train, train_y, train_tf, train_b),
                   _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),

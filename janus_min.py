@@ -67,18 +67,25 @@ try:
 except ImportError:  # Windows: runs without the lock (README)
     fcntl = None
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-try:  # first of the modules that import torchvision: a torchvision built for another torch fails
-    import torchvision
-except RuntimeError as e:  # e.g. "operator torchvision::nms does not exist"
-    sys.exit(f"error: torchvision {importlib.metadata.version('torchvision')} does not fit torch "
-             f"{torch.__version__} ({e}): install the two together: pip uninstall -y torch "
-             "torchvision && pip install -r requirements.txt")
+try:  # seconds of imports: a Ctrl-C in them, or a Python without torch, ends in one line
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    try:  # first of the modules that import torchvision: one built for another torch fails
+        import torchvision
+    except RuntimeError as e:  # e.g. "operator torchvision::nms does not exist"
+        sys.exit(f"error: torchvision {importlib.metadata.version('torchvision')} does not fit "
+                 f"torch {torch.__version__} ({e}): install the two together: pip uninstall -y "
+                 "torch torchvision && pip install -r requirements.txt")
 
-import data
-import vit
+    import data
+    import vit
+except KeyboardInterrupt:
+    print("\ninterrupted (SIGINT) while starting: nothing was saved", file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
+except ModuleNotFoundError as e:  # a Python outside the project's environment (README)
+    sys.exit(f"error: {e} in {sys.executable}: activate the project's environment (. "
+             ".venv/bin/activate), or install the packages: pip install -r requirements.txt")
 
 
 def _opt(default, help, **argparse_kw):
@@ -839,7 +846,9 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "lora-gpm-gr": ("--memory gpm --no-dml", "LoRA-GPM + GR"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
 SWITCHES = ("oe", "gr", "dml", "rectify", "memory", "lora_a")  # what tells the methods apart
-RESUME_FREE = ("device", "workers", "compile", "seeds")  # what a resume may change
+# What a resume may change: the machine's, more seeds, and where the data and the weights lie now
+# (the weights are checked against the SHA-256 of those the run started from).
+RESUME_FREE = ("device", "workers", "compile", "seeds", "data_dir", "weights")
 RUN_FREE = RESUME_FREE + ("resume", "out")  # what may differ between two configs of one run
 PATHS = ("data_dir", "weights", "out", "resume")  # the flags that take a path
 EXAMPLES = """examples:
@@ -852,6 +861,10 @@ q = shlex.quote  # a path as one shell word, so that a suggested command pastes 
 
 class ConfigError(Exception):
     """Flags that cannot run together, or a run folder that cannot be used."""
+
+
+class Unwritten(Exception):
+    """A file of the command's that could not be written (a full disk, a lost mount)."""
 
 
 def flag(name):
@@ -874,19 +887,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (--help lists the flags)\n")
 
 
+def choices(f):
+    """The values the flag of Config's field f takes, where it names them."""
+    return {"method": list(METHODS), "reproduce": list(REPRODUCE)}.get(f.name, f.metadata.get(
+        "choices"))
+
+
 def parser():
     """The parser of Config's fields; what it returns holds only the flags typed."""
     p = Parser(prog="janus_min.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
                argument_default=argparse.SUPPRESS,
                formatter_class=argparse.RawDescriptionHelpFormatter,
                allow_abbrev=False)  # a prefix is no flag: --seed is not --seeds
-    choices = {"method": list(METHODS), "reproduce": list(REPRODUCE)}
     for f in fields(Config):
         kw = dict(f.metadata)
         if f.name in PATHS:
             kw["type"] = partial(path, flag(f.name))
-        if f.name in choices:
-            kw["choices"] = choices[f.name]
+        if choices(f):
+            kw["choices"] = choices(f)
         if f.type is bool and f.default:  # the ablation's switches: --NAME and --no-NAME
             kw["action"] = argparse.BooleanOptionalAction
             kw["help"] += " (default: on)"
@@ -921,11 +939,14 @@ def configure(argv):
     typed; --resume DIR: the run's own Config, but for the flags that may change."""
     values, typed = parse(argv)
     if "resume" in typed:
-        fixed = " ".join(flag(name) for name in typed if name not in RESUME_FREE + ("resume",))
-        if fixed:
-            raise ConfigError(f"--resume continues a run with its own flags: drop {fixed} (only "
-                              "--device, --workers, --compile and more --seeds may change)")
         saved = saved_run(typed["resume"])["config"]
+        fixed = {name: value for name, value in typed.items()  # a flag as the run has it: no change
+                 if name not in RESUME_FREE + ("resume",) and value != saved[name]}
+        if fixed:
+            raise ConfigError(f"--resume continues the run with its own {shown(saved, fixed)}: "
+                              f"for {shown(typed, fixed)}, start a new run in a new folder (a "
+                              "resume may change only --device, --workers, --compile, --data-dir, "
+                              "--weights, and add --seeds)")
         seeds = saved["seeds"]
         if not set(typed.get("seeds", seeds)) >= set(seeds):
             raise ConfigError(f"--resume: the run has the seeds {' '.join(map(str, seeds))}; give "
@@ -942,7 +963,7 @@ def configure(argv):
                   gpm_threshold=list(cfg.gpm_threshold or gpm),
                   workers=(os.cpu_count() or 1) if cfg.workers is None else cfg.workers,
                   **absolute_paths(cfg))
-    check(cfg)
+    check(cfg, typed)
     notes(cfg, typed)
     return cfg, typed
 
@@ -956,8 +977,9 @@ def absolute_paths(cfg):
     return paths
 
 
-def check(cfg):
-    """Refuse a value that cannot run, in one line that names its flag and says what to do."""
+def check(cfg, typed):
+    """Refuse a value that cannot run, in one line that names its flag and says what to do; on a
+    resume, a value of the run's own that no flag typed names config.json, where it came from."""
     width = vit.PRESETS[cfg.model].keywords["embed_dim"]
     gpus = torch.cuda.device_count()
     device = re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device)
@@ -996,8 +1018,11 @@ def check(cfg):
         ("method", not (cfg.method and cfg.reproduce), "goes: --reproduce sets its rows' own"),
     ]
     for name, ok, fix in checks:
-        if not ok:  # the flag as typed: --seeds 1 1, --dry-run
-            raise ConfigError(f"{' '.join(to_argv({name: getattr(cfg, name)}))}: {fix}")
+        said = f"{' '.join(to_argv({name: getattr(cfg, name)}))}: {fix}"  # as typed: --seeds 1 1
+        if not ok and cfg.resume and name not in (*typed, *RESUME_FREE):  # the run's own value
+            raise unwritten(cfg.resume, "config.json", said)
+        if not ok:
+            raise ConfigError(said)
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides them
 
 
@@ -1011,7 +1036,8 @@ def notes(cfg, typed):
     else:
         moot = {"memory k oe_lr oe_decay_steps gpm_threshold": not cfg.oe,
                 "k oe_lr oe_decay_steps": cfg.memory == "gpm", "gpm_threshold": cfg.memory != "gpm",
-                "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml, "steps": True}
+                "delta rectify": not cfg.gr, "margin lambda_dml tau": not cfg.dml, "steps": True,
+                "workers": cfg.dataset in data.IN_MEMORY}  # loader processes read files
     moot["precision"] = cfg.device == "cpu"  # bf16 autocast is CUDA's
     moot = {name for names, off in moot.items() if off for name in names.split()} & set(typed)
     if cfg.reproduce:  # a flag that each row sets is the row's
@@ -1025,6 +1051,11 @@ def notes(cfg, typed):
     if cfg.oe and cfg.memory == "oe" and full < cfg.tasks and not cfg.benchmark:
         print(f"note: --k {cfg.k} fills each block's memory ({cfg.model}: width {width}) after "
               f"task {full} of {cfg.tasks}: the later tasks cannot change K and V")
+
+
+def shown(values, names):
+    """The flags that give these names their values: --lr 0.001 --seeds 0 1."""
+    return " ".join(to_argv({name: values[name] for name in names}))
 
 
 def describe(c):
@@ -1042,11 +1073,8 @@ def run(cfg, typed):
     started = time.time()
     cfg.out = cfg.resume or cfg.out or os.path.join("runs", f"{cfg.dataset}-"
                                                     f"{time.strftime('%Y%m%d-%H%M%S')}")
-    if holder := hold(cfg.out):
-        raise ConfigError(f"{q(cfg.out)} is in use by {holder}, a live run: wait for it to end, "
-                          "or choose another --out")
-    if not cfg.resume:
-        claim(cfg.out, {"argv": to_argv(typed), "config": asdict(cfg)})
+    take(cfg.out, "config.json", None if cfg.resume else {"argv": to_argv(typed),
+                                                          "config": asdict(cfg)})
     try:
         splits, backbone, weights = load_data_and_model(cfg)
     except (data.DataError, vit.CheckpointError):
@@ -1056,6 +1084,7 @@ def run(cfg, typed):
     source = backbone_file(weights)  # once: it hashes the file
     runs, state = previous(cfg, source) if cfg.resume else ([], None)
     results = {"config": asdict(cfg), "environment": environment(cfg), "runs": runs}
+    code = results["environment"]["code"]
     per_class = collections.Counter(splits.train.targets).values()
     train = sum(min(n, cfg.limit_per_class or n) for n in per_class)  # what each seed trains on
     print(f"{cfg.dataset}: {train} training images, {cfg.tasks} tasks; "
@@ -1068,6 +1097,8 @@ def run(cfg, typed):
         learner, record = start_learner(cfg, seed, backbone), new_record(seed)
         if state and state["record"]["seed"] == seed:  # interrupted: after its last finished task
             restore(learner, record, state, cfg.device)
+        # each code that ran the seed: one more if it was edited between an interruption and now
+        record["code"] = [c for c in record.get("code", []) if c != code] + [code]
         run_seed(learner, record, data.thin(splits, cfg.limit_per_class, seed), cfg, save)
         runs.append(results_entry(record, cfg.tasks))
         write_json(os.path.join(cfg.out, "results.json"), {**results, "summary": summarize(runs)})
@@ -1079,19 +1110,62 @@ def run(cfg, typed):
     return 0
 
 
-def claim(out, config):
-    """A new run's folder, claimed by creating its config.json: of two runs started at once on one
-    folder, the second is refused. A folder with another run's files is refused too."""
-    stray = [f for f in ("checkpoint.pt", "results.json") if os.path.exists(os.path.join(out, f))]
-    if stray and not os.path.exists(os.path.join(out, "config.json")):
-        raise ConfigError(f"--out {q(out)} holds {' and '.join(stray)} of another run: choose "
+# A folder holds one kind of thing, told by its first file; a run's other files are the run's too.
+KINDS = {"config.json": "a run", "reproduce.json": "a --reproduce set",
+         "benchmark.json": "a --benchmark's timings", "results.json": "a run",
+         "checkpoint.pt": "a run"}
+
+
+def take(out, first, config=None):
+    """The folder --out for a command whose first file is `first`: held (hold) and claimed
+    (claim), or refused in one line."""
+    if holder := hold(out):
+        raise ConfigError(f"{q(out)} is in use by {holder}, a live run: wait for it to end, "
+                          "or choose another --out")
+    claim(out, first, config)
+
+
+def claim(out, first, config=None):
+    """Claim a folder for a command whose first file is `first`: refused if it holds another
+    kind's files, or runs in its folders (but a set's, its rows), or a run when config is given,
+    a new run's: its config.json, created at once, so that of two runs started at once on one
+    folder, the second is refused."""
+    files, subfolders = holding(out)
+    if files and (config or KINDS[files[0]] != KINDS[first]):
+        raise ConfigError(f"{q(out)} holds {kind_of(out, files)}, or choose another --out")
+    if subfolders and first != "reproduce.json":
+        raise ConfigError(f"{q(out)} holds runs in its folders, as {q(subfolders[0])}: choose "
                           "another --out")
+    if not config:
+        return
     try:
-        with open(os.path.join(out, "config.json"), "x") as f:
+        with open(os.path.join(out, first), "x") as f:
             json.dump(config, f, indent=1)
-    except FileExistsError:
-        raise ConfigError(f"{q(out)} holds a run: continue it with --resume {q(out)}, or choose "
-                          "another --out") from None
+    except FileExistsError:  # claimed since
+        raise ConfigError(f"{q(out)} holds {kind_of(out, [first])}, or choose another "
+                          "--out") from None
+
+
+def holding(folder):
+    """The files of KINDS in a folder, its first file first; and its folders that hold a run (a
+    set's rows, or the runs in a folder like runs/)."""
+    files = [name for name in KINDS if os.path.isfile(os.path.join(folder, name))]
+    subfolders = os.scandir(folder) if os.path.isdir(folder) else []
+    return files, sorted(e.name for e in subfolders
+                         if os.path.isfile(os.path.join(e.path, "config.json")))
+
+
+def kind_of(folder, files):
+    """What a folder that holds these files of KINDS holds, and how to go on with it."""
+    if files[0] == "config.json":
+        return f"a run: continue it with --resume {q(folder)}"
+    if files[0] == "reproduce.json":
+        argv = read_run_file(folder, "reproduce.json")["argv"] + ["--out", folder]
+        return f"a --reproduce set, a row in each folder: continue the set with: {command(argv)}"
+    if files[0] == "benchmark.json":
+        return ("a --benchmark's timings, which have no run to continue: run the --benchmark "
+                "command again to time again")
+    return f"{' and '.join(files)} of another run: move them out"
 
 
 def make_folder(out):
@@ -1197,15 +1271,14 @@ def sha256(*paths):
 
 def save_checkpoint(learner, record, cfg, backbone):
     """checkpoint.pt after a task: the learner, the seed's record and the generator, with the run's
-    configuration and backbone; written to a temporary file, then renamed."""
+    configuration and backbone; written whole or not at all (written)."""
     state = {"config": asdict(cfg), "backbone": backbone, "record": record,
              "kv": nn.ModuleList(lora_layers(learner.model)).state_dict(),  # W0, A and B
              "heads": [head.state_dict() for head in learner.heads],
              "V": learner.oe and learner.oe.V, "memory": learner.memory,
              "prototypes": learner.prototypes, "rng": torch.get_rng_state()}
-    path = os.path.join(cfg.out, "checkpoint.pt")
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: the last complete checkpoint survives anything
+    with written(os.path.join(cfg.out, "checkpoint.pt")) as tmp:
+        torch.save(state, tmp)
 
 
 def restore(learner, record, state, device):
@@ -1223,78 +1296,117 @@ def restore(learner, record, state, device):
 
 
 def previous(cfg, backbone):
-    """A resumed run's finished seeds, and its checkpoint (None if none), each refused unless it
-    belongs to the run and its backbone; then config.json takes the resume's config (its device,
-    workers, more seeds)."""
-    runs, state = finished(cfg.out, cfg), None
+    """A resumed run's finished seeds, and its checkpoint (None if none), as saved_run found them;
+    the checkpoint refused unless its backbone has the same content (its file may have moved);
+    then config.json takes the resume's config (its device, paths, more seeds)."""
+    runs, state = finished(cfg.out), None
     if os.path.exists(os.path.join(cfg.out, "checkpoint.pt")):
-        state = read_run_file(cfg.out, "checkpoint.pt", cfg)
-    if state and state["backbone"] != backbone:
+        state = read_run_file(cfg.out, "checkpoint.pt", cfg.device)
+    if state and (state["backbone"] or {}).get("sha256") != (backbone or {}).get("sha256"):
         raise ConfigError(f"{q(os.path.join(cfg.out, 'checkpoint.pt'))}: the run started from the "
-                          f"backbone {state['backbone']}, not {backbone}: put the run's file back "
-                          "to continue it")
+                          f"backbone {state['backbone']}, not {backbone}: pass that file with "
+                          f"--resume {q(cfg.out)} --weights PATH to continue it")
     config = read_run_file(cfg.out, "config.json")
     write_json(os.path.join(cfg.out, "config.json"), {**config, "config": asdict(cfg)})
     return runs, state
 
 
+def unlike(saved, config):
+    """The fields, fixed within a run, whose values in two saved configs differ."""
+    return [k for k, v in config.items() if k not in RUN_FREE and saved.get(k) != v]
+
+
 def differ(saved, cfg):
     """The flags whose values in a saved config differ from cfg's, of those fixed within a run."""
-    return " ".join(flag(k) for k, v in asdict(cfg).items()
-                    if k not in RUN_FREE and saved.get(k) != v)
+    return " ".join(map(flag, unlike(saved, asdict(cfg))))
 
 
-def finished(folder, cfg=None):
-    """The entries of the finished seeds in a folder's results.json (none if it has none), read
-    by read_run_file."""
+def finished(folder):
+    """The entries of the finished seeds in a folder's results.json (none if it has none)."""
     if not os.path.exists(os.path.join(folder, "results.json")):
         return []
-    return read_run_file(folder, "results.json", cfg)["runs"]
+    return read_run_file(folder, "results.json")["runs"]
 
 
 def saved_run(folder):
-    """The config.json of the run in a folder, for --resume; a folder that holds no run gets one
-    line that says what it is and what to run instead."""
+    """The config.json of the run in a folder, for --resume, once the run's files are read and
+    agree; a folder that holds no run, or beside it another kind's file, gets one line that says
+    what it holds and what to do."""
     if not os.path.isdir(folder):
         raise ConfigError(f"--resume {q(folder)}: " + (
             "a file: name the run's folder, which holds its config.json" if os.path.exists(folder)
             else f"no such folder: check the path, or start a run there with --out {q(folder)}"))
-    if os.path.exists(os.path.join(folder, "reproduce.json")):
-        argv = read_run_file(folder, "reproduce.json")["argv"] + ["--out", folder]
-        raise ConfigError(f"{q(folder)} holds a --reproduce set, a row in each folder: continue "
-                          f"the set with: {command(argv)}")
-    if os.path.exists(os.path.join(folder, "benchmark.json")):
-        raise ConfigError(f"{q(folder)} holds a --benchmark's timings, which have no run to "
-                          "continue: run the --benchmark command again to time again")
-    return read_run_file(folder, "config.json")
+    files, subfolders = holding(folder)
+    if subfolders and not files:
+        raise ConfigError(f"{q(folder)} holds no run, but its folders do: continue one, as "
+                          f"--resume {q(os.path.join(folder, subfolders[0]))}")
+    if not files:
+        raise ConfigError(f"{q(folder)} holds no run: start one there with --out {q(folder)}")
+    if KINDS[files[0]] != "a run":
+        raise ConfigError(f"{q(folder)} holds {kind_of(folder, files)}")
+    if stray := [name for name in files if KINDS[name] != "a run"]:
+        raise ConfigError(f"{q(folder)} holds a run and, beside it, {stray[0]}, "
+                          f"{KINDS[stray[0]]}: move {stray[0]} out of it to continue the run")
+    read = {name: read_run_file(folder, name) for name in dict.fromkeys(["config.json", *files])}
+    agree(folder, read)
+    return read["config.json"]
+
+
+def agree(folder, read):
+    """Refuse a run's files (read: {name: content}) whose configurations disagree, in one line that
+    names the one to put right. results.json and checkpoint.pt hold the configuration they were
+    made with: where config.json differs from them, config.json was changed; where one of them
+    differs from the other two, it came from another run. Their seeds are config.json's."""
+    config, off = read["config.json"]["config"], {}
+    for name, obj in read.items():
+        names = unlike(obj["config"], config)
+        if not set(obj["config"]["seeds"]) <= set(config["seeds"]):  # a seed config.json lacks
+            names.append("seeds")
+        if names:
+            off[name] = names
+    if not off:
+        return
+    name, names = next(iter(off.items()))  # results.json's first: its seeds are finished
+    theirs, ours = shown(read[name]["config"], names), shown(config, names)
+    if len(off) < len(read) - 1:  # the third file agrees with config.json
+        raise ConfigError(f"{q(os.path.join(folder, name))} belongs to another run (its {theirs}, "
+                          f"not config.json's {ours}): {RUN_FILES[name][1]}")
+    raise ConfigError(f"{q(os.path.join(folder, 'config.json'))} has {ours}, not the {theirs} that "
+                      f"{name} was made with: put that back in it to continue the run")
 
 
 # What the program reads of each file of a run folder (a shape, see misfit), and what to do when a
 # file is not so. A seed's record as new_record starts it; its entry in results.json, with metrics.
-RECORD = {key: type(value) for key, value in new_record(0).items()}
+ROWS = [[(float, int, type(None))]]  # an accuracy matrix: a row a task; None: a task not yet seen
+RECORD = {**{key: type(value) for key, value in new_record(0).items()}, "acc_matrix": ROWS,
+          "task_aware": ROWS, "violation": {"k": list, "v": list}}
 METRICS = {"ACC": float, "MAA": float, "BWT": (float, type(None))}  # BWT: None with one task
 RUN_FILES = {
     "config.json": ({"argv": [str], "config": Config},
                     "restore it, or start the run again with another --out"),
     "results.json": ({"config": Config, "runs": [{**RECORD, **METRICS, "task_aware": {
-                      "acc_matrix": list, **METRICS}}]}, "delete it to run its seeds again"),
+                      "acc_matrix": ROWS, **METRICS}}]},
+                     "restore it, or move it out of the folder (it keeps its seeds' numbers) to "
+                     "run them again"),
     "checkpoint.pt": ({"config": Config, "backbone": (dict, type(None)), "record": RECORD,
                        "kv": dict, "heads": [dict], "V": (torch.Tensor, type(None)),
                        "memory": [torch.Tensor], "prototypes": torch.Tensor,
-                       "rng": torch.Tensor}, "delete it to run its seed again from its first task"),
+                       "rng": torch.Tensor},
+                      "restore it, or move it out of the folder to run its seed again from its "
+                      "first task"),
     "reproduce.json": ({"argv": [str]}, "delete it, and continue the set with its --reproduce "
                        "command")}
 
 
-def read_run_file(folder, name, cfg=None):
-    """A file of a run folder (a checkpoint loaded on cfg's device), as RUN_FILES says it must be,
-    and, given the run's cfg, belonging to that run (its fixed flags, no seed the run lacks); else
-    one line that names the file and says what to do."""
+def read_run_file(folder, name, device="cpu"):
+    """A file of a run folder (a checkpoint loaded on device), as RUN_FILES says it must be: its
+    shape (misfit), and for the files that hold seeds, their records as run writes them
+    (misrecorded); else one line that names the file and says what to do."""
     path = os.path.join(folder, name)
     shape, fix = RUN_FILES[name]
     try:
         if name.endswith(".pt"):
-            obj = torch.load(path, map_location=cfg.device, weights_only=True)
+            obj = torch.load(path, map_location=device, weights_only=True)
         else:
             with open(path) as f:
                 obj = json.load(f)
@@ -1304,25 +1416,30 @@ def read_run_file(folder, name, cfg=None):
         json_error = isinstance(e, ValueError) and name.endswith(".json")  # says where, in a line
         said = f"is damaged ({e})" if json_error else f"cannot be read ({type(e).__name__})"
         raise ConfigError(f"{q(path)} {said}: {fix}") from None
-    if problem := misfit(obj, shape):
-        raise ConfigError(f"{q(path)} is not as this program writes it ({problem}): {fix}")
-    if cfg:  # the run's: its fixed flags, and no seed that the run lacks
-        other = differ(obj["config"], cfg).split()
-        if not set(obj["config"]["seeds"]) <= set(cfg.seeds):
-            other.append("--seeds")
-        if other:
-            raise ConfigError(f"{q(path)} belongs to another run (its {' '.join(other)} differ "
-                              f"from config.json's): {fix}")
+    seeded = name in ("results.json", "checkpoint.pt")
+    if problem := misfit(obj, shape) or (seeded and misrecorded(obj)):
+        raise unwritten(folder, name, problem)
     return obj
+
+
+def unwritten(folder, name, problem):
+    """The error of a run file that is not as this program writes it: the problem, what to do."""
+    return ConfigError(f"{q(os.path.join(folder, name))} is not as this program writes it "
+                       f"({problem}): {RUN_FILES[name][1]}")
 
 
 def misfit(value, shape, where=""):
     """What keeps a value read from a run file from its shape (None: nothing). A shape is a type,
     a tuple of shapes (any one), [shape] (a list of such), a dict (these keys at least, each of its
-    shape), or Config: a saved config, exactly its fields, each of saved_shape."""
+    shape), a frozenset (one of these names), or Config: a saved config, exactly its fields, each
+    of saved_shape."""
     if isinstance(shape, tuple):
         problems = [misfit(value, s, where) for s in shape]
         return None if None in problems else problems[0]
+    if isinstance(shape, frozenset):  # a flag's choices
+        if isinstance(value, str) and value in shape:
+            return None
+        return f"{where} is {value!r}, not one of {', '.join(sorted(shape))}"
     if shape is Config:
         shape = {f.name: saved_shape(f) for f in fields(Config)}
         unknown = sorted(set(value) - set(shape)) if isinstance(value, dict) else []
@@ -1343,11 +1460,42 @@ def misfit(value, shape, where=""):
 
 def saved_shape(f):
     """The shape of a Config field in a saved config: its flag's type (a float may be written as an
-    int), a list of it for a list, None too where the default is None (configure fills it in)."""
+    int) or choices, a list of it for a list, None too where the default is None (configure fills
+    it in)."""
     item = f.metadata.get("type", f.type)
-    item = (float, int) if item is float else item
+    item = frozenset(choices(f)) if choices(f) else (float, int) if item is float else item
     kind = [item] if f.type is list else item
     return (kind, type(None)) if f.default is None else kind
+
+
+def misrecorded(obj):
+    """What keeps the seeds in results.json or checkpoint.pt from being as run writes them (None:
+    nothing): seeds of its config, each once; each record as run_seed makes it after t of the
+    config's T tasks (results.json: all T), an item a task in each list and accuracy rows of the
+    tasks seen; and results.json's entries as results_entry makes them: rows padded with None to
+    T, metrics those of the matrices."""
+    T, seeds, done = obj["config"]["tasks"], obj["config"]["seeds"], "runs" in obj
+    entries = {f"runs[{i}]": e for i, e in enumerate(obj["runs"])} if done else {
+        "record": obj["record"]}
+    ran = [e["seed"] for e in entries.values()]
+    if not set(ran) <= set(seeds) or len(set(ran)) < len(ran):
+        return f"its seeds {ran} are not among its config's seeds {seeds}, each once"
+    for where, entry in entries.items():
+        rows = {"acc_matrix": entry["acc_matrix"],
+                "task_aware": entry["task_aware"]["acc_matrix"] if done else entry["task_aware"]}
+        rows = {k: [row[:i + 1] for i, row in enumerate(m)] for k, m in rows.items()}  # unpadded
+        record, t = {**entry, **rows}, len(rows["acc_matrix"])
+        lists = [record[k] for k in RECORD if k not in ("seed", "violation")]
+        lists += record["violation"].values()
+        if not (1 <= t <= T and (t == T or not done) and all(len(v) == t for v in lists) and all(
+                len(row) == i + 1 and None not in row for m in rows.values()
+                for i, row in enumerate(m))):
+            return (f"{where} is not a record of {'its' if done else '1 to'} {T} tasks: an item a "
+                    "task in each list, accuracy rows of the tasks seen")
+        made = results_entry(record, T) if done else record
+        if changed := [k for k in entry if entry[k] != made[k]]:
+            return f"{where}.{changed[0]} is not what its accuracy rows give"
+    return None
 
 
 def write_json(path, obj):
@@ -1355,12 +1503,26 @@ def write_json(path, obj):
 
 
 def write_file(path, text):
-    """A file written whole or not at all: a temporary file, then renamed; the temporary file is
-    the process's own, since the jobs of an array write table.md and reproduce.json at once."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
+    """A text file written whole or not at all (written)."""
+    with written(path) as tmp, open(tmp, "w") as f:
         f.write(text)
-    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def written(path):
+    """A file written whole or not at all: the caller writes the temporary file given, the
+    process's own (the jobs of an array write table.md and reproduce.json at once), which is then
+    renamed to path. If writing fails (a full disk, a lost mount), it is removed, and Unwritten
+    says why."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's, from its zip writer
+        raise Unwritten(f"cannot write {q(path)} ({e})") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 def environment(cfg):
@@ -1533,7 +1695,7 @@ def benchmark(cfg):
     """Plain LoRA and Janus-LoRA (GR on the gradients, and ours on Adam's step), whatever --method
     says: a step of each in turn on one random batch, and the median of the per-round ratios."""
     out = cfg.out or os.path.join("runs", f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}")
-    make_folder(out)  # before the timing: a bad --out must not lose it
+    take(out, "benchmark.json")  # before the timing: a bad --out must not lose it
     cuda = cfg.device.startswith("cuda")
     sync = torch.get_device_module(cfg.device).synchronize  # CUDA's kernels run asynchronously
     classes = data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
@@ -1627,6 +1789,7 @@ def reproduce(cfg, typed):
                                                                   "out")})
     print(f"--reproduce {cfg.reproduce}: {what}; {len(rows)} rows on {cfg.dataset}, T={cfg.tasks}, "
           f"into {q(out)}")
+    claim(out, "reproduce.json")  # not held: the jobs of an array share it, each holds its row
     for row in [cfg.row] if cfg.row else rows:
         folder = os.path.join(out, row)
         if not cfg.dry_run and (holder := hold(folder)):  # until main ends; run() finds it held
@@ -1634,14 +1797,14 @@ def reproduce(cfg, typed):
             continue
         argv = common + rows[row].split() + ["--out", folder]
         if os.path.exists(os.path.join(folder, "config.json")):
-            saved = read_run_file(folder, "config.json")["config"]
+            saved = saved_run(folder)["config"]
             if other := differ(saved, configure(argv)[0]):
                 raise ConfigError(f"row {row}: {q(folder)} was run with other {other}; choose "
                                   "another --out, or remove that folder")
-            if set(cfg.seeds) <= {r["seed"] for r in finished(folder, Config(**saved))}:
+            if set(cfg.seeds) <= {r["seed"] for r in finished(folder)}:
                 print(f"{row}: finished, skipped")
                 continue
-            free = {k: v for k, v in typed.items() if k in RESUME_FREE}  # --device, --seeds...
+            free = {k: v for k, v in parse(argv)[1].items() if k in RESUME_FREE}  # --device...
             argv = ["--resume", folder, *to_argv(free)]
         print(f"{row}: {command(argv)}", flush=True)
         if cfg.dry_run:
@@ -1705,17 +1868,23 @@ def command(argv):
 
 
 def interrupt(signum, frame):
-    """SIGTERM, a scheduler's at a time limit or a pre-emption: a run stops as at Ctrl-C."""
+    """Ctrl-C, and SIGTERM (a scheduler's at a time limit or a pre-emption): the command stops,
+    once: the signals that follow are ignored to the process's end, lest a second Ctrl-C break the
+    line that says how to go on."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt(signum)
 
 
 def main(argv=None):
     """python janus_min.py [flags] (see --help): bad input and a diverged loss end in one line that
-    says what to do (exit 2); Ctrl-C and SIGTERM in the command that continues (130, 143);
+    says what to do (exit 2); Ctrl-C, SIGTERM and an output whose reader has gone (| head) in the
+    command that continues (130, 143, 141), as does a file that cannot be written (exit 1);
     anything else is a bug, and keeps its traceback. The folders it holds are released at its
-    end, and SIGTERM's handler restored."""
+    end, and the signals' handlers restored unless a signal came (interrupt)."""
     cfg = None
-    held, on_sigterm = set(HELD), signal.signal(signal.SIGTERM, interrupt)
+    held = set(HELD)
+    handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg, typed = configure(argv)  # None: sys.argv's
         if cfg.benchmark:
@@ -1724,8 +1893,10 @@ def main(argv=None):
     except (ConfigError, vit.CheckpointError, data.DataError, Diverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:
-        signum = e.args[0] if e.args else signal.SIGINT  # SIGTERM: see interrupt
+    except (KeyboardInterrupt, BrokenPipeError, Unwritten) as e:
+        if isinstance(e, BrokenPipeError):  # the reader of the output has gone: as at SIGPIPE
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the rest: nowhere
+            e = KeyboardInterrupt(signal.SIGPIPE)
         if cfg and cfg.reproduce:
             then = "continue the set with: " + command(reproduce_argv(cfg, typed) +
                                                        ["--out", cfg.out])
@@ -1733,11 +1904,17 @@ def main(argv=None):
             then = "continue with: " + command(["--resume", cfg.out])
         else:
             then = "nothing was saved"
+        if isinstance(e, Unwritten):
+            print(f"error: {e}: {then}", file=sys.stderr)
+            return 1
+        signum = e.args[0] if e.args else signal.SIGINT  # SIGTERM: see interrupt
         print(f"\ninterrupted ({signal.Signals(signum).name}): {then}", file=sys.stderr)
         return 128 + signum  # the shell's code of a process that a signal ended
     finally:
-        signal.signal(signal.SIGTERM, on_sigterm)
         release(set(HELD) - held)
+        for s, handler in handlers.items():  # after a signal, those that follow stay ignored
+            if signal.getsignal(s) is interrupt:
+                signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ def _with_nan(sd):  # a NaN in V's rows of block 1's fused qkv
     return {**sd, "blocks.1.attn.qkv.weight": qkv}
 
 
-NOT_A_NAME = r"is neither a known name \(in21k, sam, dino, none\) nor a file$"
+NOT_A_NAME = r"is neither a known name \(in21k, sam, dino, none\) nor a file; pass another file"
 BAD = {  # id: (how to write the file w, what the error must say[, preset, depth: not vit_tiny, 2])
     "missing": (_torch(lambda sd: {k: v for k, v in sd.items() if k != "blocks.1.norm2.bias"}),
                 r"\(timm layout\).*missing keys \(1\): blocks\.1\.norm2\.bias;"),
@@ -1674,8 +1674,9 @@ def test_a_run_folder_is_claimed_once_and_resumed_with_its_own_flags(
     assert "holds checkpoint.pt of another run" in capsys.readouterr().err
     done = str(tiny_run["out"])
     for argv, said in ((TINY + ["--out", done], f"holds a run: continue it with --resume {done}"),
-                       (["--resume", done, "--out", "x"], "drop --out"),
-                       (["--resume", done, "--epochs", "3"], "drop --epochs"),
+                       (["--resume", done, "--out", "x"], f"its own --out {done}: for --out x, "
+                        "start a new run in a new folder"),
+                       (["--resume", done, "--epochs", "3"], "its own --epochs 2: for --epochs 3,"),
                        (["--resume", done, "--seeds", "1"], "the run has the seeds 0")):
         assert jm.main(argv) == 2 and said in capsys.readouterr().err
     cfg = jm.configure(TINY)[0]  # a CUDA bf16 run resumed on a CPU is the same run, in fp32
@@ -1705,9 +1706,11 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
     for folder, said in ((config, "config.json is damaged (Expecting value: line 1 column 11 "
                                   "(char 10)): restore it, or start the run again with another "
                                   "--out"),
-                         (damaged, "checkpoint.pt cannot be read (RuntimeError): delete it"),
+                         (damaged, "checkpoint.pt cannot be read (RuntimeError): restore it, "
+                                   "or move it out of the folder"),
                          (results, "results.json is damaged"),
-                         (foreign, "checkpoint.pt belongs to another run (its --k differ")):
+                         (foreign, "config.json has --k 16, not the --k 8 that checkpoint.pt was "
+                                   "made with: put that back in it")):
         assert jm.main(["--resume", str(folder)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, err
@@ -1761,20 +1764,35 @@ EDITED = {  # id: (how a person edited the finished TINY run's folder, what the 
     "config-field": (_edit("config.json", lambda c: _set(c, ["config", "colour"], 1)),
                      "(config has colour, which no flag sets)"),
     "results-empty": (_edit("results.json", lambda r: {}),
-                      f"results.json {NOT_WRITTEN} (it lacks config, runs): delete it"),
+                      f"results.json {NOT_WRITTEN} (it lacks config, runs): restore it, or move it "
+                      "out of the folder"),
     "results-entry": (_edit("results.json", lambda r: _set(r, ["runs", 0, "task_aware"], [])),
                       "(runs[0].task_aware has type list, not dict)"),
     "results-foreign": (_edit("results.json", lambda r: _set(r, ["config", "k"], 16)),
-                        "results.json belongs to another run (its --k differ from config.json's)"),
+                        "results.json belongs to another run (its --k 16, not config.json's "
+                        "--k 8)"),
     "results-seed": (_edit("results.json", lambda r: _set(r, ["config", "seeds"], [1])),
-                     "results.json belongs to another run (its --seeds differ"),
+                     "(its seeds [0] are not among its config's seeds [1], each once)"),
     "checkpoint-empty": (_edit("checkpoint.pt", lambda c: {}), f"checkpoint.pt {NOT_WRITTEN} "
                          "(it lacks config, backbone, record, kv, heads, V, memory, prototypes, "
-                         "rng): delete it to run its seed again from its first task"),
+                         "rng): restore it, or move it out of the folder to run its seed again "
+                         "from its first task"),
     "checkpoint-key": (_edit("checkpoint.pt", lambda c: _set(c, ["rng"], None)),
                        "(rng has type NoneType, not Tensor)"),
     "checkpoint-record": (_edit("checkpoint.pt", lambda c: _set(c, ["record", "seed"], "0")),
                           "(record.seed has type str, not int)"),
+    "config-choice": (_edit("config.json", lambda c: _set(c, ["config", "dataset"], "mnist")),
+                      "(config.dataset is 'mnist', not one of cifar100, domainnet, fashion-mnist"),
+    "results-renamed": (_edit("results.json", lambda r: _set(r, ["runs", 0, "seed"], 7)),
+                        "(its seeds [7] are not among its config's seeds [0], each once)"),
+    "results-metric": (_edit("results.json", lambda r: _set(r, ["runs", 0, "MAA"], 99.0)),
+                       "(runs[0].MAA is not what its accuracy rows give)"),
+    "results-matrix": (_edit("results.json", lambda r: _set(r, ["runs", 0, "acc_matrix"],
+                                                            [[1.0]])),
+                       "(runs[0] is not a record of its 3 tasks: an item a task in each list"),
+    "checkpoint-rows": (_edit("checkpoint.pt", lambda c: _set(c, ["record", "task_aware", 0],
+                                                              [1.0, 2.0])),
+                        "(record.task_aware is not what its accuracy rows give)"),
     "file": (None, "results.json: a file: name the run's folder, which holds its config.json"),
     "benchmark": (lambda folder: [os.remove(folder / "config.json"),
                                   (folder / "benchmark.json").write_text("{}")],
@@ -1798,6 +1816,265 @@ def test_a_run_file_a_person_edited_or_copied_gets_one_line_and_is_left_alone(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err, err
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+# ---- A run folder's contract: the advice of every refusal, followed, keeps each finished result;
+# a folder holds one kind; the run files' values; moved paths; the data; the last tracebacks.
+def _two_seeds(name):  # results.json and checkpoint.pt of a run of seeds 0 and 1: one more seed
+    return _edit(name, lambda c: _set(c, ["config", "seeds"], [0, 1]))
+
+
+ADVICE = {  # id: (how the finished TINY run's folder was edited, the flags of the resume, its line)
+    "config-epochs": ([_edit("config.json", lambda c: _set(c, ["config", "epochs"], 3))], [],
+                      "config.json has --epochs 3, not the --epochs 2 that results.json was made "
+                      "with: put that back in it to continue the run"),
+    "config-seed": ([_two_seeds("results.json"), _two_seeds("checkpoint.pt")], [],
+                    "config.json has --seeds 0, not the --seeds 0 1 that results.json was made"),
+    "config-refused": ([_edit("config.json", lambda c: _set(c, ["config", "lr"], -1)),
+                        lambda folder: [(folder / n).unlink() for n in ("results.json",
+                                                                        "checkpoint.pt")]],
+                       [], f"config.json {NOT_WRITTEN} (--lr -1: must be positive): restore it, or "
+                       "start the run again with another --out"),
+    "typed": ([], ["--lr", "5e-4"], "--resume continues the run with its own --lr 0.005: for --lr "
+              "0.0005, start a new run in a new folder"),
+    "results-foreign": ([_edit("results.json", lambda r: _set(r, ["config", "k"], 16))], [],
+                        "results.json belongs to another run (its --k 16, not config.json's --k "
+                        "8): restore it, or move it out of the folder (it keeps its seeds' "
+                        "numbers)"),
+    "checkpoint-foreign": ([_edit("checkpoint.pt", lambda c: _set(c, ["config", "k"], 16))], [],
+                           "checkpoint.pt belongs to another run (its --k 16, not config.json's"),
+    "results-metric": ([_edit("results.json", lambda r: _set(r, ["runs", 0, "ACC"], 99.0))], [],
+                       "(runs[0].ACC is not what its accuracy rows give)"),
+    "stray": ([lambda folder: (folder / "benchmark.json").write_text("{}")], [],
+              "holds a run and, beside it, benchmark.json, a --benchmark's timings: move "
+              "benchmark.json out of it to continue the run"),
+}
+
+
+def _follow(line, folder, aside):  # does what a refusal's line advises, never "restore it"
+    named, argv = Path(line.split()[0]), ["--resume", str(folder)]
+    if back := re.search(r" not the (.*?) that ", line):  # config.json's values, put back
+        values = jm.parse(shlex.split(back[1]))[1]
+        _edit("config.json", lambda c: _set(c, ["config"], {**c["config"], **values}))(folder)
+    elif stray := re.search(r"move (\S+) out of it", line):
+        shutil.move(folder / stray[1], aside)
+    elif "move it out of the folder" in line:
+        shutil.move(named, aside)
+    elif "delete it" in line:
+        named.unlink()
+    else:  # a new run: the run's flags as typed, and those the line names, into another folder
+        argv = json.loads((folder / "config.json").read_text())["argv"] + ["--out", str(aside)]
+        if flags := re.search(r": for (.*), start a new run", line):
+            argv += shlex.split(flags[1])
+    return argv
+
+
+@pytest.mark.parametrize("case", ADVICE)
+def test_each_refusals_advice_followed_keeps_every_finished_result(
+        case, tiny_run, tmp_path, capsys, monkeypatch, no_plots):
+    """A run folder that a person edited (or a resume with a flag of another value): one line that
+    names the file or the flag and what to do; done as it says, the command goes past every check
+    (to training, stopped there), and each entry of results.json survives, bit for bit, in a
+    file."""
+    edits, flags, said = ADVICE[case]
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run["out"], folder)
+    for edit in edits:
+        edit(folder)
+    done = _results(folder)["runs"] if (folder / "results.json").exists() else []
+    assert jm.main(["--resume", str(folder), *flags]) == 2
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and said in line, line
+    (tmp_path / "aside").mkdir()
+    argv = _follow(line.removeprefix("error: "), folder, tmp_path / "aside")
+    real = jm.run_seed
+
+    def run_seed(learner, record, splits, cfg, after_task):  # past every check: stop at training
+        if len(record["acc_matrix"]) < cfg.tasks:
+            raise KeyboardInterrupt
+        real(learner, record, splits, cfg, after_task)
+    monkeypatch.setattr(jm, "run_seed", run_seed)
+    assert jm.main(argv) in (0, 130)
+    assert "error" not in capsys.readouterr().err
+    kept = [r for path in tmp_path.rglob("*.json") for r in json.loads(path.read_text()).get(
+        "runs", [])]
+    assert all(entry in kept for entry in done)
+
+
+def test_a_folder_holds_one_kind_and_every_command_refuses_another_kind(
+        tiny_run, tmp_path, capsys, monkeypatch):
+    """A run, a --reproduce set and a --benchmark each refuse another's folder, and a folder of
+    runs, in one line that says what it holds and how to go on; --resume on an empty folder or a
+    folder of runs says what it is. The benchmark holds its folder while it times, and its
+    Ctrl-C says that nothing was saved, not how to resume a run."""
+    run, bench, sets, empty = (tmp_path / "runs" / n for n in ("run", "bench", "set", "empty"))
+    shutil.copytree(tiny_run["out"], run)
+    for folder, name, text in ((bench, "benchmark.json", "{}"),
+                               (sets, "reproduce.json", json.dumps({"argv": ["--reproduce", "k"]})),
+                               (empty, None, None)):
+        folder.mkdir()
+        if name:
+            (folder / name).write_text(text)
+    bench_argv = SHORT + ["--benchmark", "--steps", "1"]
+    for argv, said in (
+            (bench_argv + ["--out", str(run)], f"{run} holds a run: continue it with --resume {run}"
+             ", or choose another --out"),
+            (SHORT + ["--out", str(bench)], "holds a --benchmark's timings, which have no run"),
+            (SHORT + ["--out", str(sets)], "holds a --reproduce set, a row in each folder: "
+             f"continue the set with: python janus_min.py --reproduce k --out {sets}, or choose"),
+            (SHORT + ["--reproduce", "gr-plugin", "--out", str(run)], f"{run} holds a run"),
+            (bench_argv + ["--out", str(tmp_path / "runs")], "holds runs in its folders, as run: "
+             "choose another --out"),
+            (["--resume", str(empty)], f"{empty} holds no run: start one there with --out {empty}"),
+            (["--resume", str(tmp_path / "runs")], "holds no run, but its folders do: continue "
+             f"one, as --resume {run}")):
+        before = sorted(str(p) for p in tmp_path.rglob("*"))
+        assert jm.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+        assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    held = []
+
+    def mid_run_learner(*args):  # the benchmark's timing starts: its lock names this process
+        held.append((bench / "lock").read_text())
+        raise KeyboardInterrupt
+    monkeypatch.setattr(jm, "mid_run_learner", mid_run_learner)
+    assert jm.main(bench_argv + ["--out", str(bench)]) == 130  # its own kind: timed again
+    assert held == [f"pid {os.getpid()} on {socket.gethostname()}\n"]
+    assert capsys.readouterr().err == "\ninterrupted (SIGINT): nothing was saved\n"
+
+
+def test_moved_data_and_weights_resume_and_the_code_of_each_seed_is_kept(
+        tiny_run, tmp_path, capsys, monkeypatch, no_plots):
+    """A resume takes --data-dir and --weights where they lie now (a weights file is checked as
+    before, by its content); a code edited between an interruption and the resume is kept beside
+    the earlier one in the seed's entry."""
+    weights = tmp_path / "vit.pt"
+    torch.save(vit.PRESETS["vit_tiny"](img_size=32, patch_size=8).state_dict(), weights)
+    folder = tmp_path / "run"  # the TINY run as if from that file, interrupted after its last task
+    shutil.copytree(tiny_run["out"], folder)
+    (folder / "results.json").unlink()
+    _edit("config.json", lambda c: _set(c, ["config", "weights"], str(weights)))(folder)
+    _edit("checkpoint.pt", lambda c: {**_set(c, ["config", "weights"], str(weights)), "backbone": {
+        "path": str(weights), "sha256": jm.sha256(weights)}})(folder)
+    moved = weights.rename(tmp_path / "moved.pt")
+    assert jm.main(["--resume", str(folder)]) == 2
+    assert capsys.readouterr().err.endswith(f"--weights {weights} is neither a known name (in21k, "
+                                            "sam, dino, none) nor a file; pass another file with "
+                                            "--weights PATH.\n")
+    code = jm.code_version()
+    monkeypatch.setattr(jm, "code_version", lambda: {"sha256": "0" * 64, "git": "edited"})
+    assert jm.main(["--resume", str(folder), "--weights", str(moved), "--data-dir", "d"]) == 0
+    config = json.loads((folder / "config.json").read_text())["config"]
+    assert (config["weights"], config["data_dir"]) == (str(moved), os.path.abspath("d"))
+    res = _results(folder)
+    assert res["runs"][0]["code"] == [code, jm.code_version()] == [code, res["environment"]["code"]]
+
+
+def test_imagenet_r_names_a_class_too_small_keeps_a_whole_split_and_notes_images_added(
+        tmp_path, capsys, monkeypatch):
+    """ImageNet-R (3 classes here): a class of fewer than 3 images is named, a class folder gone
+    is counted, and neither start writes the split; --data-dir may name imagenet-r/ itself;
+    images added after the split was drawn get a note that says how to draw it again."""
+    monkeypatch.setitem(data.DATASETS["imagenet-r"], "num_classes", 3)
+    folder, split = tmp_path / "imagenet-r", tmp_path / "imagenet-r_split.json"
+    for c, n in enumerate((5, 5, 2)):
+        (folder / WNIDS[c]).mkdir(parents=True)
+        for i in range(n):
+            (folder / WNIDS[c] / f"{i}.png").write_bytes(b"")  # not read until training
+    for said in (f"its class {folder / WNIDS[2]} has 2 images, too few to split 80/20",
+                 "2 training and 2 test classes, not 3"):
+        with pytest.raises(data.DataError, match=re.escape(said)):
+            _load("imagenet-r", tmp_path)
+        assert not split.exists()
+        if (folder / WNIDS[2]).exists():  # then the class folder gone
+            (folder / WNIDS[2]).rename(tmp_path / "aside")
+    (tmp_path / "aside" / "2.png").write_bytes(b"")  # the class back, with 3 images
+    (tmp_path / "aside").rename(folder / WNIDS[2])
+    drawn = _load("imagenet-r", tmp_path).train.source
+    assert split.exists() and _load("imagenet-r", folder).train.source == drawn
+    (folder / WNIDS[0] / "new.png").write_bytes(b"")
+    assert _load("imagenet-r", tmp_path).train.source == drawn
+    assert capsys.readouterr().out == (f"note: {split} leaves out the 1 images added to {folder} "
+                                       "since it was drawn: to use them, delete it (a new split: "
+                                       "not for a run that has begun)\n")
+
+
+def test_ignored_workers_a_safetensors_file_and_a_failed_start_get_their_line(tmp_path, capsys):
+    """--workers on in-memory data gets the note of an ignored flag; a safetensors file, what to
+    do with it; a start without data (offline) leaves no --data-dir behind."""
+    jm.configure(_without(TINY, "--workers") + ["--workers", "99999999999999999999"])
+    assert capsys.readouterr().out == "note: --workers: no effect with these settings, ignored\n"
+    header = json.dumps({"cls_token": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + bytes(4))
+    with pytest.raises(vit.CheckpointError, match=rf"^{path} is a safetensors file, .* "
+                       rf"torch.save\(s.load_file\('{path}'\), '{path}.pth'\)\", then pass "
+                       rf"--weights {path}.pth$"):
+        vit.load_pretrained(vit.PRESETS["vit_tiny"](), path)
+    cifar = _without(_without(TINY, "--dataset"), "--tasks") + ["--dataset", "cifar100"]
+    assert jm.main(cifar + ["--data-dir", str(tmp_path / "d"), "--out", str(tmp_path / "r")]) == 2
+    assert "cifar100 in" in capsys.readouterr().err and sorted(os.listdir(tmp_path)) == [path.name]
+
+
+def test_a_closed_output_a_failed_write_and_a_second_ctrl_c_end_in_the_line_that_continues(
+        tiny_run, tmp_path, capsys, monkeypatch, no_plots):
+    """| head: the run stops as at SIGPIPE with the line that continues it; a checkpoint that cannot
+    be written: one line with that command, the earlier checkpoint whole and no temporary file; a
+    second Ctrl-C while the first stops the run is ignored."""
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run["out"], folder)
+    (folder / "results.json").unlink()  # seed 0 resumes after its last task: it prints, then saves
+    resume = ["--resume", str(folder)]
+    then = f"continue with: python janus_min.py --resume {folder}\n"
+    reader, writer = os.pipe()
+    os.close(reader)  # as head does after its lines
+    with monkeypatch.context() as mp, open(writer, "w") as closed:
+        mp.setattr(sys, "stdout", closed)
+        assert jm.main(resume) == 128 + signal.SIGPIPE
+    assert capsys.readouterr().err == "\ninterrupted (SIGPIPE): " + then
+    checkpoint = (folder / "checkpoint.pt").read_bytes()
+
+    def save(obj, path):  # the disk fills as torch writes
+        Path(path).write_bytes(b"PK\3\4")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    monkeypatch.setattr(jm, "run_seed", lambda learner, record, splits, cfg, after_task:
+                        after_task(learner, record))
+    monkeypatch.setattr(torch, "save", save)
+    assert jm.main(resume) == 1
+    assert capsys.readouterr().err == f"error: cannot write {folder}/checkpoint.pt (Pytorch" \
+        "StreamWriter failed writing file data/0: file write failed): " + then
+    assert (folder / "checkpoint.pt").read_bytes() == checkpoint and not list(folder.glob("*tmp"))
+    monkeypatch.undo()
+    real_release, handlers = jm.release, [signal.getsignal(s) for s in (signal.SIGINT,
+                                                                        signal.SIGTERM)]
+
+    def release(keys):  # a second Ctrl-C as the first ends the run
+        os.kill(os.getpid(), signal.SIGINT)
+        real_release(keys)
+    monkeypatch.setattr(jm, "run_seed", lambda *args: os.kill(os.getpid(), signal.SIGINT))
+    monkeypatch.setattr(jm, "release", release)
+    try:
+        assert jm.main(resume) == 130
+    finally:
+        for s, handler in zip((signal.SIGINT, signal.SIGTERM), handlers):
+            signal.signal(s, handler)
+    assert capsys.readouterr().err == "\ninterrupted (SIGINT): " + then
+
+
+def test_a_python_without_torch_and_a_ctrl_c_in_the_imports_get_one_line(tmp_path):
+    """Outside the environment (python -S: no site-packages), and Ctrl-C while torch loads (as a
+    torch that raises it): one line each, no traceback, and exits 1 and 130."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    for flags, env, code, said in (
+            (["-S"], {}, 1, "error: No module named 'torch' in "),
+            ([], {"PYTHONPATH": str(tmp_path)}, 130, "\ninterrupted (SIGINT) while starting: "
+             "nothing was saved\n")):
+        done = subprocess.run([sys.executable, *flags, jm.__file__, "--help"], capture_output=True,
+                              text=True, env={**os.environ, **env})
+        assert done.returncode == code and done.stdout == "" and done.stderr.startswith(said)
+        assert done.stderr.count("\n") == 1 + (code == 130), done.stderr
 
 
 def test_sigterm_stops_a_run_as_ctrl_c_does_and_a_live_runs_folder_is_refused(
@@ -2825,7 +3102,7 @@ def test_reproduce_runs_resumes_refuses_other_flags_and_tabulates(tmp_path, monk
     assert jm.main(argv) == 130
     assert jm.main(argv + ["--row", "lora-gpm-gr"]) == 0  # that row alone, resumed
     folder = shlex.quote(str(tmp_path / "my out" / "lora-gpm-gr"))
-    resumed = f"--resume {folder} --workers 0 --device"
+    resumed = f"--resume {folder} --weights none --workers 0 --device"
     assert resumed in capsys.readouterr().out  # with the flags typed that a resume may change
     assert jm.main(argv) == 0 and calls == ["lora-gpm", "lora-gpm-gr", "lora-gpm-gr"]
     table = (tmp_path / "my out" / "table.md").read_text()

@@ -134,7 +134,7 @@ def load_pretrained(model, source="in21k"):
         return None
     if source not in URLS and not os.path.isfile(source):
         raise CheckpointError(f"--weights {source} is neither a known name ({', '.join(URLS)}, "
-                              "none) nor a file")
+                              "none) nor a file; " + _ELSE)
     path = _download(model, source) if source in URLS else os.fspath(source)
     sd, container = _read(path)
     ready, note = _fit(model, sd, path)
@@ -198,11 +198,17 @@ def _read(path):
     """{key: tensor} and the container ('npz' or 'torch'), told apart by their content."""
     try:
         with open(path, "rb") as f:
-            head = f.read(2)
-        if head == b"PK":  # a zip: an .npz holds .npy members only, unlike torch.save's
+            head = f.read(9)
+        if head[:2] == b"PK":  # a zip: an .npz holds .npy members only, unlike torch.save's
             with np.load(path) as z:
                 if all(name.endswith(".npy") for name in z.zip.namelist()):
                     return {k: torch.from_numpy(z[k]) for k in z.files}, "npz"
+        elif head[8:] == b"{":  # safetensors: its header's length in 8 bytes, then the header
+            raise CheckpointError(
+                f"{path} is a safetensors file, which this program does not read (it takes no "
+                "safetensors package); convert it to a state dict where safetensors is installed: "
+                f"python -c \"import torch, safetensors.torch as s; torch.save(s.load_file("
+                f"'{path}'), '{path}.pth')\", then pass --weights {path}.pth")
         elif head[:1] != b"\x80":  # nor torch.save's legacy pickle
             raise CheckpointError(f"{path} is not a checkpoint: neither a zip (torch.save), a "
                                   "pickle nor an .npz file; " + _ELSE)
