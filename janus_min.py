@@ -399,11 +399,14 @@ class OnlineSubspace:
 
 
 def fresh_basis(M, k):
-    """A random orthonormal V (L, D, k) off M (L, D, m); a full memory leaves no room for it."""
+    """A random orthonormal V (L, D, k) off M (L, D, m), uniform (Haar) among those; a full memory
+    leaves no room for it."""
     L, D, m = M.shape
     # drawn on the CPU, so that a run's random numbers do not depend on the device
     V = torch.randn(L, D, min(k, D - m)).to(M.device)
-    return torch.linalg.qr(off_span(V, M)).Q
+    # Q with R's diagonal > 0, as Gram-Schmidt's: uniform. LAPACK's Q alone is not: V[0, 0] <= 0.
+    Q, R = torch.linalg.qr(off_span(V, M))
+    return Q * R.diagonal(dim1=-2, dim2=-1).sign()[..., None, :]
 
 
 def off_span(V, M):

@@ -1477,6 +1477,50 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
     assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided
 
 
+# ---- What a green suite let through: a measurement of something else, initial values drawn
+# otherwise than their references draw them, and the rare batches of a real run
+
+
+def test_initial_values_are_drawn_as_their_references_draw_them():
+    """A fresh A is nn.Linear's weight (Kaiming-uniform, bound 1/sqrt(d_in)), the same draw then
+    moved off M; B = 0; a new head is nn.Linear's weight and bias (bound 1/sqrt(D)); OE's first V
+    is uniform (Haar) on the orthonormal k-frames off M, as the polar factor of a Gaussian draws
+    them: two-sample KS statistics against the references' own draws, and their bounds."""
+    gen = torch.Generator().manual_seed(0)
+    layer, M = jm.LoRALinear(768, 8, 16, 1.0), orthonormal(768, 40, dtype=torch.float32, gen=gen)
+    torch.manual_seed(1)
+    reference = torch.nn.Linear(768, 16).weight.detach()
+    for seed in (2, 3):
+        torch.manual_seed(seed)
+        layer.reset_()
+        A = layer.A.detach().clone()
+        assert _ks(A.flatten(), reference.flatten()) < 3 / math.sqrt(A.numel())
+        assert not layer.B.detach().any()
+        assert 0.99 < float(A.abs().max()) * math.sqrt(768) <= 1
+    torch.manual_seed(3)
+    layer.reset_(M)  # the draw of seed 3, off M
+    assert torch.allclose(layer.A.detach(), A - A @ M @ M.T, atol=1e-6)
+    torch.manual_seed(4)
+    model, cfg = lora_vit(depth=1, img_size=16, patch_size=4), jm.Config(device="cpu", k=8)
+    learner = jm.start_learner(cfg, 0, model)
+    jm.start_task(learner, 0, [list(range(400))], None, cfg)
+    reference = torch.nn.Linear(192, 400)
+    for p, q in zip(learner.heads[0].parameters(), reference.parameters()):
+        p, q = p.detach().flatten(), q.detach().flatten()
+        assert _ks(p, q) < 3 / math.sqrt(len(p))
+        assert 0.95 < float(p.abs().max()) * math.sqrt(192) <= 1
+    L, D, m, k = 4000, 6, 2, 2
+    M = orthonormal(D, m, dtype=torch.float32, gen=gen)
+    V = jm.fresh_basis(M.expand(L, D, m), k)  # (L, D, k)
+    assert torch.allclose(V.mT @ V, torch.eye(k).expand(L, k, k), atol=1e-5)
+    assert float((M.T @ V).abs().max()) < 1e-5
+    U = torch.linalg.svd(torch.eye(D) - M @ M.T).U[:, :D - m]  # an orthonormal basis off M
+    P, _, Qh = torch.linalg.svd(torch.randn(L, D - m, k, generator=gen), full_matrices=False)
+    haar = U @ P @ Qh  # the polar factor of a Gaussian: Haar, as O G is G for every orthogonal O
+    ks = max(_ks(V[:, i, j], haar[:, i, j]) for i in range(D) for j in range(k))  # each entry's
+    assert ks < 3 / math.sqrt(L)
+
+
 # ========= janus_min.py, the protocol and the program: runs, the run folder, bad input ==========
 TINY = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "--img-size", "32",
         "--patch-size", "8", "--tasks", "3", "--epochs", "2", "--batch-size", "16", "--k", "8",
