@@ -370,16 +370,16 @@ class OnlineSubspace:
         # S = (X_p V)^T (X_p V) = V^T C. At eta = 1, V - grad S^-1 = V + C S^-1 - V (V^T C) S^-1 =
         # C S^-1 (ridge aside), whose Q spans X_p^T X_p V: one step of subspace iteration. And as
         # V^T grad = 0, V~^T V~ = I + eta^2 (grad S^-1)^T (grad S^-1) >= I: qr_q's Cholesky is safe.
-        XtXV, S = [], []
+        CS = []
         for x, v in zip(X, V):
             x = x.reshape(-1, v.shape[0]).float()  # (n, D)
             xv = x @ v  # (n, k): X_p V
-            XtXV.append(x.T @ xv)  # (D, k): X^T X_p V
-            S.append(gram(xv))  # (k, k): S, the preconditioner; its diagonal: each column's energy
-        C = off_span(torch.stack(XtXV), M)  # (I - M M^T) X^T X_p V = X_p^T X_p V
-        S = ridge(torch.stack(S), 1e-6)  # invertible even when X = 0
-        grad = -(C - V @ (V.mT @ C))  # Eq. (8)'s gradient at V^T V = I
-        grad = spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
+            S = ridge(gram(xv), 1e-6)  # (k, k) preconditioner; its diagonal: each column's energy
+            # S^-1 before X^T: after it, S^-1 would blow X^T's round-off up along the directions
+            # where S is singular (a batch of fewer tokens than k), in which the step is 0.
+            CS.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))  # (D, k): X^T X_p V S^-1
+        CS = off_span(torch.stack(CS), M)  # C S^-1 = (I - M M^T) X^T X_p V S^-1
+        grad = -(CS - V @ (V.mT @ CS))  # ours: Eq. (8)'s gradient at V^T V = I, times S^-1
         # Ours: eta decays as 5 / (5 + t), which averages the batches' noise.
         lr = self.lr * self.decay_steps / (self.decay_steps + self.t)
         V_tilde = V - lr * grad  # Eq. (9), its step preconditioned by S^-1 (ours)
