@@ -1479,6 +1479,52 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
 
 # ---- What a green suite let through: a measurement of something else, initial values drawn
 # otherwise than their references draw them, and the rare batches of a real run
+BENCHMARK_SWITCHES = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": {},
+                      "janus-update": dict(rectify="update")}  # beside Janus-LoRA's (JANUS)
+
+
+def test_each_benchmark_variant_takes_the_step_its_name_says_and_its_numbers_count_it(tmp_path):
+    """Each variant's first step, taken again on a copy of its learner under the switches its name
+    says, leaves the same factors, W0, V, memory and head, bit for bit; Janus-LoRA's two steps
+    differ from one start. A clock that each step moves by a set time: ms/step is the median of
+    the variant's steps, x plain the median of the per-round ratios, images/s the batch over it."""
+    seconds = {"plain": [1, 1, 4], "janus-grad": [2, 3, 4], "janus-update": [3, 6, 2]}  # rounds
+    names, first, calls, clock = {}, {}, {}, [0.0]
+    real = jm.train_step
+
+    def train_step(learner, opt, images, y, cfg):
+        if id(learner) not in names:  # the variants' learners are built in this order
+            names[id(learner)] = list(seconds)[len(names)]
+        name = names[id(learner)]
+        start = copy.deepcopy((learner, images, y)) if name not in first else None
+        out = real(learner, opt, images, y, cfg)
+        if start:
+            first[name] = start, _tensors(learner)
+        calls[name] = calls.get(name, 0) + 1
+        clock[0] += seconds[name][(calls[name] - 1) % 3]  # the timed rounds take each time once
+        return out
+    argv = SMALL + ["--method", "finetune", "--benchmark", "--steps", "3", "--out", str(tmp_path)]
+    with _small_world() as mp:
+        mp.setattr(jm, "train_step", train_step)
+        mp.setattr(jm, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=time.time,
+                                               strftime=time.strftime))
+        assert jm.main(argv) == 0
+        cfg = jm.configure(argv)[0]
+    report = json.loads((tmp_path / "benchmark.json").read_text())["variants"]
+    for name, times in seconds.items():
+        ratios = [t / p for t, p in zip(times, seconds["plain"])]
+        assert report[name]["ms_per_step"] == pytest.approx(1e3 * statistics.median(times))
+        assert report[name]["x_plain"] == pytest.approx(statistics.median(ratios))
+        assert report[name]["images_per_s"] == pytest.approx(16 / statistics.median(times))
+    janus = [_tensors(first[name][0][0]) for name in ("janus-grad", "janus-update")]
+    assert _same(*janus)  # Janus-LoRA's two variants start from one learner
+    after = {}
+    for name, ((learner, images, y), taken) in first.items():
+        vcfg = dataclasses.replace(cfg, **{**JANUS, **BENCHMARK_SWITCHES[name]})
+        real(learner, jm.adam(learner, vcfg), images, y, vcfg)
+        after[name] = _tensors(learner)
+        assert _same(after[name], taken), name
+    assert not _same(after["janus-grad"], after["janus-update"])
 
 
 def _uneven(splits, train, test):  # the first train[c] training, test[c] test images of class c
