@@ -16,15 +16,16 @@ Where the code reads the paper differently, or fills a silence (the README says 
   and V; a task's V (k columns) joins M at its end until M fills the width (protected, end_task,
   OnlineSubspace.merge). --memory oe-rolling projects with V, as the paper's words read.
 - G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix says the task's (train_step).
-- OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step follows
-  Adam's, on the same batch (OnlineSubspace.update, train_step).
+- OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step comes after
+  Adam's, on the K/V inputs of the forward pass before it (OnlineSubspace.update, train_step).
 - OE's step, Eq. (9), is preconditioned by S^-1, S = V^T X_p^T X_p V, and eta decays as
   5 / (5 + t) within a task; Eq. (10)'s R has a positive diagonal (OnlineSubspace.update, qr_q).
 - GR's ridge delta is relative to the mean eigenvalue of B^T B, or of A A^T (ridge).
 - Eq. (4) as printed has the wrong shapes and no s: the chain rule gives s B^T G and s G A^T,
   and GR's Eqs. (6)-(7) take them without s (rectify_gradients_).
 - DML's current prototypes are the batch's unit class means, in the graph; its hinge is averaged
-  over the batch and the old prototypes, the finished classes' mean features (dml_loss, end_task).
+  over the batch and the old prototypes: each finished class's unit mean of the unit features of
+  its training images, under the test transform (dml_loss, end_task, class_prototypes).
 - LoRA's life: s = 1; each task a fresh pair, A off M and B = 0, merged into W0 at the task's end
   (LoRALinear.reset_, LoRALinear.merge_).
 - Under bf16 autocast A's split off M, GR and OE stay in float32, their small systems in float64
@@ -95,7 +96,8 @@ def _opt(default, help, **argparse_kw):
 
 @dataclass
 class Config:
-    """The hyperparameters, each a flag of `python janus_min.py --help`. None: the data set's."""
+    """The hyperparameters, each a flag of `python janus_min.py --help`. None: the data set's.
+    Without --method, the defaults run the paper's method, Janus-LoRA."""
     # Data and protocol: the paper's Sec. 4.1, and the InfLoRA codebase, which the paper ran on.
     dataset: str = _opt("cifar100", "data set (Sec. 4.1)", choices=list(data.DATASETS))
     data_dir: str = _opt("data", "folder that holds (or receives) the data set")
@@ -210,10 +212,10 @@ def train_step(learner, opt, images, y, cfg):
     else:
         rectified_adam_step_(opt, layers, cfg.delta)
 
-    # OE, Eqs. (8)-(10): each block's basis V learns from this batch's K/V inputs, staying off the
-    # memory. Ours: V joins M at the task's end, and until then the safe gradient projects with M
-    # alone, because projecting out the current task's own subspace would remove most of its
-    # gradient.
+    # OE, Eqs. (8)-(10): each block's basis V learns from the K/V inputs of the forward pass above,
+    # made before Adam's step, staying off the memory. Ours: V joins M at the task's end, and until
+    # then the safe gradient projects with M alone, because projecting out the current task's own
+    # subspace would remove most of its gradient.
     if learner.oe is not None:
         learner.oe.update(kv_inputs, learner.memory)
     return loss.detach(), (logits.argmax(1) == y).sum()
@@ -222,8 +224,10 @@ def train_step(learner, opt, images, y, cfg):
 # ---- LoRA on K and V, and the safe gradient of Theorem 3.1 ---------------------------------------
 class LoRALinear(nn.Linear):
     """Eq. (1): a frozen linear layer W0 (the ViT's K or V) plus s B A, with A (r, d_in) and
-    B (d_out, r) trained. M (d_in, m) is the orthonormal memory of its block that the layer's
-    gradients stay off, set at each task's start (start_task)."""
+    B (d_out, r) trained. M (d_in, m) is its block's orthonormal memory, set at each task's start
+    (start_task). The gradients are safe: the chain rule's of G_safe = G (I - M M^T). With SGD,
+    A's steps are then off M, so A stays off M (reset_ starts it there) and s B A M = 0; Adam's
+    per-coordinate scaling moves A into span(M), which --rectify update fixes."""
 
     def __init__(self, in_features, out_features, rank, scale):
         super().__init__(in_features, out_features)  # W0 and its bias, the checkpoint's
@@ -242,9 +246,8 @@ class LoRALinear(nn.Linear):
         # span(M), and hold A_in, and B where it multiplies A_in, constant. The output and dL/dx
         # do not change. With G = dL/dW and P = I - M M^T, A's gradient flows through A_out = A P
         # alone, so dL/dA = (s B^T G) P = s B^T G_safe; B's flows through its copy times A_out, so
-        # dL/dB = s G (A P)^T = s (G P) A^T = s G_safe A^T, as P is symmetric. The test
-        # test_lora_forward_gives_the_safe_gradient_of_theorem_3_1 checks both against the dense
-        # G (I - M M^T).
+        # dL/dB = s G (A P)^T = s (G P) A^T = s G_safe A^T, as P is symmetric. A test checks
+        # these two, the output and dL/dx against autograd through a dense W0 + s B A.
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dtype = torch.promote_types(self.A.dtype, torch.float32)
             A, M = self.A.to(dtype), self.M.to(dtype)
@@ -317,10 +320,16 @@ def rectify_factors(BtG, GAt, A, B, scale, delta):
     d_out x d_in, is never formed. In float64, as the r x r systems can be ill-conditioned."""
     dtype = BtG.dtype
     BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
-    # dA scales as 1 / |B|: large while B is small, and 0 at a task's first step, where B = 0.
-    dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6); delta relative (ours)
-    RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T, with the residual R = G_safe - s B dA
-    dB = spd_solve(ridge(gram(A.mT), delta), RAt.mT).mT / scale  # Eq. (7)
+    # Why (delta -> 0; G = G_safe; P_B = B (B^T B)^-1 B^T, P_A = A^T (A A^T)^-1 A): s B dA = P_B G,
+    # R = (I - P_B) G and s dB A = R P_A = (I - P_B) G P_A. The residual (I - P_B) G (I - P_A) is
+    # orthogonal to every B X + Y A: this is the exact minimiser of Eq. (5), a linear least-squares
+    # problem. If A M = 0, then P_A M = 0, and as G M = 0, s (B dA + dB A) M = 0: it stays off M.
+    # Eq. (5) fits s (B dA + dB A), hence the 1/s. dA scales as 1 / |B|: large while B is small,
+    # and 0 at a task's first step, where B = 0.
+    dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6), delta relative (ours)
+    RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T = G A^T - s B (dA A^T): neither R nor G formed
+    # Eq. (7) transposed, dB^T = (A A^T)^-1 (R A^T)^T / s, as spd_solve solves from the left.
+    dB = spd_solve(ridge(gram(A.mT), delta), RAt.mT).mT / scale
     return dA.to(dtype), dB.to(dtype)
 
 
@@ -363,19 +372,22 @@ class OnlineSubspace:
         V, M = self.V, stack_blocks(memory)  # (L, D, k), (L, D, m)
         if V.shape[-1] == 0:  # a full memory leaves nothing to learn
             return
-        XtXV, S = [], []
+        # The step. With C = X_p^T X_p V, Eq. (8)'s gradient is -2 C + C V^T V + V V^T C, which is
+        # -(I - V V^T) C at V^T V = I. As M^T V = 0, X_p V = X V (x @ v below), and so
+        # S = (X_p V)^T (X_p V) = V^T C. At eta = 1, V - grad S^-1 = V + C S^-1 - V (V^T C) S^-1 =
+        # C S^-1 (ridge aside), whose Q spans X_p^T X_p V: one step of subspace iteration. And as
+        # V^T grad = 0, V~^T V~ = I + eta^2 (grad S^-1)^T (grad S^-1) >= I: qr_q's Cholesky is safe.
+        CS = []
         for x, v in zip(X, V):
             x = x.reshape(-1, v.shape[0]).float()  # (n, D)
-            xv = x @ v  # (n, k): X_p V, since V is orthogonal to M
-            XtXV.append(x.T @ xv)  # (D, k)
-            S.append(gram(xv))  # (k, k): the energy that each direction of V captures
-        C = off_span(torch.stack(XtXV), M)  # X_p^T X_p V
-        S = ridge(torch.stack(S), 1e-6)  # invertible even when X = 0
-        grad = -(C - V @ (V.mT @ C))  # Eq. (8)'s gradient -2C + C V^T V + V V^T C, at V^T V = I
-        grad = spd_solve(S, grad.mT.double()).mT.to(V.dtype)  # ours: grad S^-1, scale-free
-        # Ours: eta decays as 5 / (5 + t), which averages the batches' noise. At eta = 1 the step
-        # is one of subspace iteration: S = V^T C, so V - grad = C S^-1 = X_p^T X_p V S^-1, whose
-        # Q spans X_p^T X_p V (test_oe_at_eta_1_is_one_step_of_subspace_iteration).
+            xv = x @ v  # (n, k): X_p V
+            S = ridge(gram(xv), 1e-6)  # (k, k) preconditioner; its diagonal: each column's energy
+            # S^-1 before X^T: after it, S^-1 would blow X^T's round-off up along the directions
+            # where S is singular (a batch of fewer tokens than k), in which the step is 0.
+            CS.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))  # (D, k): X^T X_p V S^-1
+        CS = off_span(torch.stack(CS), M)  # C S^-1 = (I - M M^T) X^T X_p V S^-1
+        grad = -(CS - V @ (V.mT @ CS))  # ours: Eq. (8)'s gradient at V^T V = I, times S^-1
+        # Ours: eta decays as 5 / (5 + t), which averages the batches' noise.
         lr = self.lr * self.decay_steps / (self.decay_steps + self.t)
         V_tilde = V - lr * grad  # Eq. (9), its step preconditioned by S^-1 (ours)
         Q = qr_q(V_tilde)  # Eq. (10): V <- Q of V_tilde = QR; ours: R's diagonal > 0, no flips
@@ -394,11 +406,14 @@ class OnlineSubspace:
 
 
 def fresh_basis(M, k):
-    """A random orthonormal V (L, D, k) off M (L, D, m); a full memory leaves no room for it."""
+    """A random orthonormal V (L, D, k) off M (L, D, m), uniform (Haar) among those; a full memory
+    leaves no room for it."""
     L, D, m = M.shape
     # drawn on the CPU, so that a run's random numbers do not depend on the device
     V = torch.randn(L, D, min(k, D - m)).to(M.device)
-    return torch.linalg.qr(off_span(V, M)).Q
+    # Q with R's diagonal > 0, as Gram-Schmidt's: uniform. LAPACK's Q alone is not: V[0, 0] <= 0.
+    Q, R = torch.linalg.qr(off_span(V, M))
+    return Q * R.diagonal(dim1=-2, dim2=-1).sign()[..., None, :]
 
 
 def off_span(V, M):
@@ -418,8 +433,9 @@ def stack_blocks(memory):
 
 
 def qr_q(V):
-    """Eq. (10)'s Q of V = QR (..., n, k) with R's diagonal > 0. R^T is the Cholesky factor of
-    V^T V, which is >= I as OE's step is orthogonal to V; in float64, far faster than QR."""
+    """Eq. (10)'s Q of V = QR (..., n, k) with R's diagonal > 0: V^T V = R^T R, so R^T is the
+    Cholesky factor of V^T V, and Q = V R^-1. OE's V~^T V~ >= I (OnlineSubspace.update) keeps the
+    Cholesky safe; in float64, far faster than QR."""
     R = torch.linalg.cholesky_ex(gram(V)).L.mT
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
 
@@ -555,7 +571,7 @@ def run_seed(learner, record, splits, cfg, after_task):
     and the paper's analyses. after_task(learner, record) is the program's (it saves them)."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     for t in range(len(record["acc_matrix"]), cfg.tasks):
-        start = time.time()  # a task's time: training and the method's own passes, not the tests
+        start = time.time()  # a task's time: training and the method's passes, not the evaluation
         start_task(learner, t, tasks, splits, cfg)
         memory = [layer.M.clone() for layer in lora_layers(learner.model)[::2]]  # what it protects
         record["throughput"].append(train_task(learner, t, tasks, splits, cfg, record["seed"]))

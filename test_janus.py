@@ -1477,6 +1477,321 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
     assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided
 
 
+# ---- What a green suite let through: a measurement of something else, initial values drawn
+# otherwise than their references draw them, and the rare batches of a real run
+BENCHMARK_SWITCHES = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": {},
+                      "janus-update": dict(rectify="update")}  # beside Janus-LoRA's (JANUS)
+
+
+def test_each_benchmark_variant_takes_the_step_its_name_says_and_its_numbers_count_it(tmp_path):
+    """Each variant's first step, taken again on a copy of its learner under the switches its name
+    says, leaves the same factors, W0, V, memory and head, bit for bit; Janus-LoRA's two steps
+    differ from one start. A clock that each step moves by a set time: ms/step is the median of
+    the variant's steps, x plain the median of the per-round ratios, images/s the batch over it."""
+    seconds = {"plain": [1, 1, 4], "janus-grad": [2, 3, 4], "janus-update": [3, 6, 2]}  # rounds
+    names, first, calls, clock = {}, {}, {}, [0.0]
+    real = jm.train_step
+
+    def train_step(learner, opt, images, y, cfg):
+        if id(learner) not in names:  # the variants' learners are built in this order
+            names[id(learner)] = list(seconds)[len(names)]
+        name = names[id(learner)]
+        start = copy.deepcopy((learner, images, y)) if name not in first else None
+        out = real(learner, opt, images, y, cfg)
+        if start:
+            first[name] = start, _tensors(learner)
+        calls[name] = calls.get(name, 0) + 1
+        clock[0] += seconds[name][(calls[name] - 1) % 3]  # the timed rounds take each time once
+        return out
+    argv = SMALL + ["--method", "finetune", "--benchmark", "--steps", "3", "--out", str(tmp_path)]
+    with _small_world() as mp:
+        mp.setattr(jm, "train_step", train_step)
+        mp.setattr(jm, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=time.time,
+                                               strftime=time.strftime))
+        assert jm.main(argv) == 0
+        cfg = jm.configure(argv)[0]
+    report = json.loads((tmp_path / "benchmark.json").read_text())["variants"]
+    for name, times in seconds.items():
+        ratios = [t / p for t, p in zip(times, seconds["plain"])]
+        assert report[name]["ms_per_step"] == pytest.approx(1e3 * statistics.median(times))
+        assert report[name]["x_plain"] == pytest.approx(statistics.median(ratios))
+        assert report[name]["images_per_s"] == pytest.approx(16 / statistics.median(times))
+    janus = [_tensors(first[name][0][0]) for name in ("janus-grad", "janus-update")]
+    assert _same(*janus)  # Janus-LoRA's two variants start from one learner
+    after = {}
+    for name, ((learner, images, y), taken) in first.items():
+        vcfg = dataclasses.replace(cfg, **{**JANUS, **BENCHMARK_SWITCHES[name]})
+        real(learner, jm.adam(learner, vcfg), images, y, vcfg)
+        after[name] = _tensors(learner)
+        assert _same(after[name], taken), name
+    assert not _same(after["janus-grad"], after["janus-update"])
+
+
+def _uneven(splits, train, test):  # the first train[c] training, test[c] test images of class c
+    def first(ds, counts):
+        targets = torch.tensor(ds.targets)
+        keep = torch.cat([torch.nonzero(targets == c)[:n, 0] for c, n in enumerate(counts)])
+        return data._Images(ds.source[keep], targets[keep].tolist(), ds.transform, ds.batched)
+    return splits._replace(train=first(splits.train, train), test=first(splits.test, test),
+                           train_eval=first(splits.train_eval, train))
+
+
+def _dml_direct(z, y, old, margin, tau):  # Eq. (11) term by term, its softmax over C_t present
+    z = F.normalize(z.detach().double(), dim=1)
+    present = sorted(set(y.tolist()))
+    p = torch.stack([F.normalize(z[y == c].mean(0), dim=0) for c in present])  # (|C_t|, D)
+    own = torch.stack([z[i] @ p[present.index(int(c))] for i, c in enumerate(y)])
+    intra = (torch.logsumexp(z @ p.T / tau, 1) - own / tau).mean()
+    hinge = [max(0.0, float(z[i] @ o) - margin) for i in range(len(z)) for o in old.double()]
+    return intra + (sum(hinge) / len(hinge) if hinge else 0.0)
+
+
+def _gr_direct(BtG, GAt, A, B, s, delta):  # Eqs. (6)-(7) from B^T G_safe, G_safe A^T; our ridge
+    def ridged(S):  # S + delta * mean(eig S) * I
+        lam = delta * S.trace() / len(S) + torch.finfo(S.dtype).tiny
+        return S + lam * torch.eye(len(S), dtype=S.dtype)
+    dA = torch.linalg.solve(ridged(B.T @ B), BtG) / s
+    RAt = GAt - s * B @ dA @ A.T  # R A^T, with R = G_safe - s B dA
+    return dA, RAt @ torch.linalg.inv(ridged(A @ A.T)) / s
+
+
+def _keep(inputs, grads, j, layer, args, out):  # a forward hook: a layer's input, its output's grad
+    inputs[j] = args[0].detach()
+    out.register_hook(lambda g: grads.__setitem__(j, g))
+
+
+@pytest.fixture(scope="module")
+def rare_run():
+    """Two tasks of a 2-block ViT-Ti in batches of 7: task 1 has 6 training images (fewer than a
+    batch) and 48 test images, task 2 has 15 (7, 7, then one image) and 18; k = 24 exceeds one
+    image's 17 tokens; the final LayerNorm's random gain and bias give the features unequal norms.
+    Each step is checked against direct formulas and each task's numbers against direct
+    computations on the images they name, under a clock that each phase moves by a set time."""
+    argv = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "--img-size",
+            "16", "--patch-size", "4", "--tasks", "2", "--epochs", "2", "--batch-size", "7",
+            "--k", "24", "--lora-scale", "0.5", "--lr", "5e-3", "--workers", "0", "--device",
+            "cpu"]
+    tick = {"start_task": 1, "train_step": 2, "end_task": 4, "evaluate": 1000,
+            "record_analyses": 10000}  # seconds each call takes on the clock
+    seen = {"steps": [], "tasks": [], "factors": []}
+    clock, real = [0.0], {name: getattr(jm, name) for name in (*tick, "rectify_gradients_")}
+
+    def timed(name):
+        def call(*args):
+            clock[0] += tick[name]
+            return real[name](*args)
+        return call
+
+    def train_step(learner, opt, images, y, cfg):
+        layers, head = jm.lora_layers(learner.model), learner.heads[-1]
+        with torch.no_grad():
+            z = learner.model.encode(images)[0]
+            expected = F.cross_entropy(head(z), y) + cfg.lambda_dml * _dml_direct(
+                z, y, learner.prototypes, cfg.margin, cfg.tau)
+        before = [(layer.A.detach().double(), layer.B.detach().double(), layer.M.double())
+                  for layer in layers]
+        V, t = learner.oe.V.double(), learner.oe.t
+        inputs, grads = {}, {}
+        hooks = [layer.register_forward_hook(functools.partial(_keep, inputs, grads, j))
+                 for j, layer in enumerate(layers)]
+        loss, right = timed("train_step")(learner, opt, images, y, cfg)
+        for hook in hooks:
+            hook.remove()
+        safe, gr, s = [], [], cfg.lora_scale  # per layer, the distances to the direct formulas
+        for j, (layer, (A, B, M), (gA, gB)) in enumerate(zip(layers, before, seen["chain"])):
+            g, x = (v.flatten(0, 1).double() for v in (grads[j], inputs[j]))
+            G_safe = g.T @ x - (g.T @ x) @ M @ M.T  # G = dL/dW, summed over the batch's tokens
+            safe += [rel(gA, s * B.T @ G_safe), rel(gB, s * G_safe @ A.T)]
+            dA, dB = _gr_direct(gA / s, gB / s, A, B, s, cfg.delta)
+            gr += [rel(layer.A.grad.double(), dA), rel(layer.B.grad.double(), dB)]
+        oe = [rel(learner.oe.V[i].double(), _oe_oracle(
+            V[i], inputs[2 * i].flatten(0, 1).double(), learner.memory[i].double(), t,
+            torch.float64, cfg.oe_lr, cfg.oe_decay_steps)) for i in range(len(V))]
+        seen["steps"].append(dict(task=len(learner.heads) - 1, y=y.tolist(), loss=float(loss),
+                                  expected=float(expected), right=int(right), safe=safe, gr=gr,
+                                  oe=oe, tokens=inputs[0].shape[0] * inputs[0].shape[1]))
+        return loss, right
+
+    def rectify_gradients_(layers, delta):  # what GR receives: autograd's factor gradients
+        seen["chain"] = [(layer.A.grad.double(), layer.B.grad.double()) for layer in layers]
+        return real["rectify_gradients_"](layers, delta)
+
+    def record_analyses(record, learner, t, factors, *args):
+        seen["factors"].append(factors)
+        return timed("record_analyses")(record, learner, t, factors, *args)
+
+    def after_task(learner, record):  # each number of the task against a direct computation
+        seen["tasks"].append(_direct_numbers(learner, record, splits, seen["factors"][-1], cfg))
+    with _small_world() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
+        for name in tick:
+            mp.setattr(jm, name, timed(name))
+        mp.setattr(jm, "train_step", train_step)
+        mp.setattr(jm, "record_analyses", record_analyses)
+        mp.setattr(jm, "rectify_gradients_", rectify_gradients_)
+        mp.setattr(jm, "time", SimpleNamespace(time=lambda: clock[0], strftime=time.strftime))
+        cfg = jm.configure(argv)[0]
+        splits = _uneven(data.load_dataset("synthetic", None, 16, 0.0, 1.0),
+                         [1] * 6 + [3] * 3 + [2] * 3, [8] * 6 + [3] * 6)
+        backbone = jm.build_model(cfg)[0]
+        with torch.no_grad():
+            backbone.norm.weight.uniform_(0.5, 1.5)
+            backbone.norm.bias.normal_(0.0, 0.5)
+        learner, record = jm.start_learner(cfg, 0, backbone), jm.new_record(0)
+        jm.run_seed(learner, record, splits, cfg, after_task)
+    return dict(seen, record=record, log=log.getvalue(), tick=tick, cfg=cfg)
+
+
+def _direct_numbers(learner, record, splits, factors, cfg):
+    """Task t's row of each accuracy matrix, its prototypes, interference and geometry as
+    recorded, and the same computed here, from each item of the split they name."""
+    model, t = learner.model, len(record["acc_matrix"]) - 1
+    tasks = data.task_classes(splits.num_classes, cfg.tasks)
+
+    def encode(ds, classes):  # z, K/V inputs and labels of the images of these classes, one pass
+        part = data.subset(ds, classes)
+        with torch.no_grad():
+            z, kv = model.encode(torch.stack([part[i][0] for i in range(len(part))]))
+        return z, kv, torch.tensor(part.targets)
+    seen = [c for classes in tasks[:t + 1] for c in classes]
+    z, kv, y = encode(splits.test, seen)
+    logits = torch.cat([head(z) for head in learner.heads], 1)
+    task_of = torch.tensor([i for i, classes in enumerate(tasks[:t + 1]) for _ in classes])
+    agnostic = logits.argmax(1) == y
+    aware = logits.masked_fill(task_of[None] != task_of[y][:, None], -math.inf).argmax(1) == y
+    got = dict(acc=record["acc_matrix"][t], aware=record["task_aware"][t],
+               sample=record["sample_acc"][t], prototypes=learner.prototypes[tasks[t]])
+    expected = dict(acc=[100 * float(agnostic[task_of[y] == i].double().mean())
+                         for i in range(t + 1)],
+                    aware=[100 * float(aware[task_of[y] == i].double().mean())
+                           for i in range(t + 1)], sample=100 * float(agnostic.double().mean()))
+    train_z, _, train_y = encode(splits.train_eval, tasks[t])  # the test transform
+    expected["prototypes"] = torch.stack([F.normalize(F.normalize(train_z[train_y == c], dim=1)
+                                                      .mean(0), dim=0) for c in tasks[t]])
+    if t:  # Fig. 2 on real activations: per K/V layer, the root mean ||x dW^T||^2 over tokens
+        now, old = task_of[y] == t, learner.prototypes
+        for name, rows in (("past", ~now), ("current", now)):
+            X = [x[rows].flatten(0, 1) for x in kv]
+            expected[name] = [float((X[j // 2] @ (cfg.lora_scale * B @ A).T).pow(2).sum()
+                                    / len(X[0])) ** 0.5 for j, (A, B) in enumerate(factors)]
+            got[name] = record["interference"][t][name]
+        zn = F.normalize(z[now], dim=1)
+        expected.update(cos_old=(zn @ old[:tasks[t][0]].T).amax(1).tolist(),
+                        cos_own=(zn * old[y[now]]).sum(1).tolist())
+        got.update({key: record["geometry"][t][key] for key in ("cos_old", "cos_own")})
+    return got, expected
+
+
+def test_each_update_on_the_rare_batches_of_a_run_is_its_definitions(rare_run):
+    """A task of fewer images than a batch, a last batch of one image (one class), batches that
+    miss a class: at every step the loss is CE + lambda DML by Eq. (11) term by term (its softmax
+    over the classes present, its hinge's mean over the batch and the old prototypes); the
+    gradients GR receives are s B^T G_safe and s G_safe A^T of the dense G_safe = G (I - M M^T),
+    and those it leaves its Eqs. (6)-(7) of them; V is OE's step by its float64 oracle, also on one
+    image's 17 tokens, fewer than k = 24."""
+    steps = rare_run["steps"]
+    assert [(s["task"], len(s["y"])) for s in steps] == [(0, 6)] * 2 + [(1, 7), (1, 7), (1, 1)] * 2
+    assert any(len(set(s["y"])) < 6 and len(s["y"]) > 1 for s in steps)  # a class missing
+    assert min(s["tokens"] for s in steps) == 17 < rare_run["cfg"].k
+    for s in steps:
+        assert s["loss"] == pytest.approx(s["expected"], rel=1e-5)
+        # float32's round-off: autograd's sums over the tokens, and the float32 X V of OE, which
+        # one image's tokens, close to low-rank, grow
+        assert max(s["safe"]) < 1e-3 and max(s["gr"]) < 1e-6 and max(s["oe"]) < 1e-2, s
+    torch.manual_seed(0)
+    z, old = torch.randn(5, 8, requires_grad=True), F.normalize(torch.randn(3, 8), dim=1)
+    for y in ([2, 2, 2, 2, 2], [4], [0, 3, 3, 0, 4]):  # one class; one image; classes missing
+        y = torch.tensor(y)
+        loss = jm.dml_loss(z[:len(y)], y, old, 0.1, 0.07, num_classes=6)
+        assert float(loss.detach()) == pytest.approx(float(_dml_direct(z[:len(y)], y, old, 0.1,
+                                                                       0.07)))
+        assert torch.isfinite(torch.autograd.grad(loss, z)[0]).all()
+
+
+def test_a_runs_numbers_measure_the_images_and_the_time_they_name(rare_run):
+    """After each task: each accuracy row over the seen classes' test images, task-agnostic and
+    task-aware, the accuracy over those samples, the prototypes of the task's training images
+    under the test transform, the interference over past and current test images, and the
+    geometry of the current ones, all as direct computations; each epoch's loss and accuracy are
+    the means over its images, its throughput its images over its steps' time, and a task's
+    time its start, training and end, not the evaluation or the analyses."""
+    record, tick, log = rare_run["record"], rare_run["tick"], rare_run["log"]
+    keys = {"acc", "aware", "sample", "prototypes"}  # and from task 2 on, the analyses'
+    analyses = {"past", "current", "cos_old", "cos_own"}
+    assert [set(e) for _, e in rare_run["tasks"]] == [keys, keys | analyses]
+    for got, expected in rare_run["tasks"]:
+        assert torch.allclose(got.pop("prototypes"), expected.pop("prototypes"), atol=1e-5)
+        for key in expected:  # the cosines as results.json rounds them, to 4 places
+            close = dict(abs=1e-4) if key.startswith("cos") else dict(rel=1e-5)
+            assert got[key] == pytest.approx(expected[key], **close), key
+    lines = re.findall(r"^seed 0 task \d/2 epoch \d/2  loss (\S+)  train acc +(\S+)%  +(\S+) "
+                       r"img/s$", log, re.M)
+    expected = []
+    for t in range(2):  # each task's steps: its first epoch's, then its second's
+        steps = [s for s in rare_run["steps"] if s["task"] == t]
+        for epoch in (steps[:len(steps) // 2], steps[len(steps) // 2:]):
+            n = sum(len(s["y"]) for s in epoch)
+            expected.append((f"{sum(s['loss'] * len(s['y']) for s in epoch) / n:.4f}",
+                             f"{100 * sum(s['right'] for s in epoch) / n:.2f}",
+                             f"{n / (tick['train_step'] * len(epoch)):.1f}"))
+    assert lines == expected
+    step = tick["train_step"]  # 6 images in one step an epoch, then 15 in three
+    assert record["throughput"] == [[6 / step] * 2, [15 / (3 * step)] * 2]
+    assert record["task_seconds"] == [tick["start_task"] + tick["end_task"] + step * n
+                                      for n in (2, 6)]
+
+
+def test_initial_values_are_drawn_as_their_references_draw_them():
+    """A fresh A is nn.Linear's weight (Kaiming-uniform, bound 1/sqrt(d_in)), the same draw then
+    moved off M; B = 0; a new head is nn.Linear's weight and bias (bound 1/sqrt(D)); OE's first V
+    is uniform (Haar) on the orthonormal k-frames off M, as the polar factor of a Gaussian draws
+    them: two-sample KS statistics against the references' own draws, and their bounds."""
+    gen = torch.Generator().manual_seed(0)
+    layer, M = jm.LoRALinear(768, 8, 16, 1.0), orthonormal(768, 40, dtype=torch.float32, gen=gen)
+    torch.manual_seed(1)
+    reference = torch.nn.Linear(768, 16).weight.detach()
+    for seed in (2, 3):
+        torch.manual_seed(seed)
+        layer.reset_()
+        A = layer.A.detach().clone()
+        assert _ks(A.flatten(), reference.flatten()) < 3 / math.sqrt(A.numel())
+        assert not layer.B.detach().any()
+        assert 0.99 < float(A.abs().max()) * math.sqrt(768) <= 1
+    torch.manual_seed(3)
+    layer.reset_(M)  # the draw of seed 3, off M
+    assert torch.allclose(layer.A.detach(), A - A @ M @ M.T, atol=1e-6)
+    torch.manual_seed(4)
+    model, cfg = lora_vit(depth=1, img_size=16, patch_size=4), jm.Config(device="cpu", k=8)
+    learner = jm.start_learner(cfg, 0, model)
+    jm.start_task(learner, 0, [list(range(400))], None, cfg)
+    reference = torch.nn.Linear(192, 400)
+    for p, q in zip(learner.heads[0].parameters(), reference.parameters()):
+        p, q = p.detach().flatten(), q.detach().flatten()
+        assert _ks(p, q) < 3 / math.sqrt(len(p))
+        assert 0.95 < float(p.abs().max()) * math.sqrt(192) <= 1
+    L, D, m, k = 4000, 6, 2, 2
+    M = orthonormal(D, m, dtype=torch.float32, gen=gen)
+    V = jm.fresh_basis(M.expand(L, D, m), k)  # (L, D, k)
+    assert torch.allclose(V.mT @ V, torch.eye(k).expand(L, k, k), atol=1e-5)
+    assert float((M.T @ V).abs().max()) < 1e-5
+    U = torch.linalg.svd(torch.eye(D) - M @ M.T).U[:, :D - m]  # an orthonormal basis off M
+    P, _, Qh = torch.linalg.svd(torch.randn(L, D - m, k, generator=gen), full_matrices=False)
+    haar = U @ P @ Qh  # the polar factor of a Gaussian: Haar, as O G is G for every orthogonal O
+    ks = max(_ks(V[:, i, j], haar[:, i, j]) for i in range(D) for j in range(k))  # each entry's
+    assert ks < 3 / math.sqrt(L)
+
+
+def test_gpm_and_inflora_covariances_weigh_every_token_alike_over_a_short_last_batch():
+    """kv_covariance over 10 images in batches of 4 (the last of 2): X^T X / n over every token,
+    not a mean of the batches' covariances."""
+    torch.manual_seed(5)
+    x = torch.randn(10, 3, 2, 2) + torch.arange(10.0)[:, None, None, None]  # batches unlike
+    X = x.flatten(2).mT.flatten(0, 1)  # the Identity backbone's K/V inputs, (40 tokens, 3)
+    cfg = jm.Config(device="cpu", batch_size=4, workers=0)
+    C = jm.kv_covariance(Identity(), _images(x, list(range(10))), cfg)
+    assert C.shape == (1, 3, 3)
+    assert rel(C[0], X.T @ X / len(X)) < 1e-6
+
+
 # ========= janus_min.py, the protocol and the program: runs, the run folder, bad input ==========
 TINY = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "--img-size", "32",
         "--patch-size", "8", "--tasks", "3", "--epochs", "2", "--batch-size", "16", "--k", "8",
