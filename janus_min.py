@@ -1553,8 +1553,10 @@ def row_label(row, flags, config):
 
 
 def row_style(i):
-    """The colour and marker of a set's i-th row, the same in every panel."""
-    return dict(color=f"C{i % 10}", marker="osD^v<>ph*"[i % 10], ms=4)
+    """The colour, marker and line style of a set's i-th row, the same in every panel; hollow
+    markers and four line styles keep rows with equal values seen."""
+    return dict(color=f"C{i % 10}", marker="osD^v<>ph*"[i % 10], ls=("-", "--", ":", "-.")[i % 4],
+                mfc="none", ms=5)
 
 
 def plot_trajectories(fig, rows, done):
@@ -1575,8 +1577,8 @@ def plot_trajectories(fig, rows, done):
         ax.set(xlabel="after task", xticks=x, title=name)
         label_ends(ax, ".2f")
     axes[0].set(ylabel="mean accuracy on the tasks seen (%)")
-    fig.supxlabel("line: the mean over a row's seeds, its last value at its end; band: ± the "
-                  "sample std over the seeds", fontsize=8)
+    fig.supxlabel("line: the mean over a row's seeds, its last value at its end; band, with two "
+                  "seeds or more: ± their sample std", fontsize=8)
 
 
 def plot_sweep(fig, rows, done):
@@ -1586,22 +1588,23 @@ def plot_sweep(fig, rows, done):
     x = [r["config"][key] for r in done.values()]
     stats = [summarize(r["runs"]) for r in done.values()]
     left, right = fig.subplots(1, 2)
-    for ax, metric, style in ((left, "ACC", "o-"), (left, "MAA", "s--"), (right, "BWT", "o-")):
+    for ax, metric, style in ((left, "ACC", "o-C0"), (left, "MAA", "s--C1"),
+                              (right, "BWT", "D-C2")):  # BWT's colour its own
         ax.errorbar(x, [nan(st[metric]["mean"]) for st in stats], capsize=4, fmt=style,
                     yerr=[nan(st[metric]["std"]) for st in stats], label=metric)
     meaning = next(f.metadata["help"] for f in fields(Config) if f.name == key).split(";")[0]
-    for ax, ylabel in ((left, "accuracy (%)"), (right, "BWT (points; < 0: forgetting)")):
+    for ax, ylabel in ((left, "accuracy (%)"), (right, "BWT (percentage points; < 0: forgetting)")):
         ax.set(xlabel=f"{flag(key)}: {meaning}", xticks=x, ylabel=ylabel)
     left.set(title="ACC: on all tasks after the last; MAA: its mean over the run")
-    right.set(title="BWT: a task's change from its end to the run's")
-    fig.supxlabel("point: the mean over a row's seeds; error bar: ± the sample std over the "
-                  "seeds", fontsize=8)
+    right.set(title="BWT: the mean change of a task's accuracy from its end to the run's")
+    fig.supxlabel("point: the mean over a row's seeds; error bar, with two seeds or more: ± their "
+                  "sample std", fontsize=8)
 
 
 def plot_gr_plugin(fig, rows, done):
     """Fig. 6: ACC, MAA and BWT of each row, before GR and after, a bar each: the mean over its
     seeds, ± their sample std (n - 1), its value, and after the first its change from it."""
-    names = [row_label(row, rows[row], r["config"]) for row, r in done.items()]
+    names = [row_label(row, rows[row], r["config"]).replace(": ", "\n") for row, r in done.items()]
     for ax, metric in zip(fig.subplots(1, 3), ("ACC", "MAA", "BWT")):
         stats = [summarize(r["runs"])[metric] for r in done.values()]
         first = nan(stats[0]["mean"])
@@ -1613,9 +1616,11 @@ def plot_gr_plugin(fig, rows, done):
         ax.axhline(0, color="k", lw=0.8)
         ax.margins(y=0.15)  # room for the values above the bars
         ax.set(xticks=range(len(names)), xticklabels=names, title=metric,
-               ylabel="BWT (points; < 0: forgetting)" if metric == "BWT" else f"{metric} (%)")
+               ylabel="BWT (percentage points; < 0: forgetting)" if metric == "BWT"
+               else f"{metric} (%)")
     fig.supxlabel("bar: the mean over a row's seeds, its value above it, in brackets its change "
-                  "from the first; error bar: ± the sample std over the seeds", fontsize=8)
+                  "from the first; error bar, with two seeds or more: ± their sample std",
+                  fontsize=8)
 
 
 def plot_efficiency(fig, rows, done):

@@ -2834,7 +2834,7 @@ def test_each_sets_figure_draws_its_rows_results(tmp_path, monkeypatch):
     assert drawn["gr_plugin.png"].get_suptitle().startswith("Fig. 6: ")
     for ax, metric in zip(drawn["gr_plugin.png"].axes, ("ACC", "MAA", "BWT")):
         assert [t.get_text() for t in ax.get_xticklabels()] == [
-            "lora-gpm: LoRA-GPM", "lora-gpm-gr: LoRA-GPM + GR"]  # before GR, then after
+            "lora-gpm\nLoRA-GPM", "lora-gpm-gr\nLoRA-GPM + GR"]  # before GR, then after
         (before, s0), (after, s1) = [_over_seeds([[run[metric]] for run in r["runs"]])
                                      for r in res.values()]
         assert [bar.get_height() for bar in ax.patches] == pytest.approx(before + after)
