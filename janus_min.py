@@ -1615,6 +1615,9 @@ def plot_gr_plugin(fig, rows, done):
             ax.bar_label(bars, [text], padding=3, fontsize=8)
         ax.axhline(0, color="k", lw=0.8)
         ax.margins(y=0.15)  # room for the values above the bars
+        lo, hi = ax.get_ylim()
+        if hi - lo < 1:  # bars of 0, as a BWT with nothing forgotten: an axis, not round-off's
+            ax.set_ylim(lo - 1, hi + 1)
         ax.set(xticks=range(len(names)), xticklabels=names, title=metric,
                ylabel="BWT (percentage points; < 0: forgetting)" if metric == "BWT"
                else f"{metric} (%)")

@@ -2740,8 +2740,9 @@ def test_plots_stand_on_their_own(tiny_run, tmp_path, monkeypatch):
 
 
 # ---- The figures of a --reproduce set, drawn from results.json files written by hand (no training)
-def _write_set(out, name, skip=(), seeds=(0, 1), T=3, epochs=2):  # a row's folder, but `skip`'s
+def _write_set(out, name, skip=()):  # each row's folder but skip's: 2 seeds, 3 tasks, 2 epochs
     rows, g = jm.REPRODUCE[name][1], torch.Generator().manual_seed(47)
+    seeds, T, epochs = (0, 1), 3, 2  # and 2 blocks: 4 K/V layers
 
     def draw(*shape, scale=100.0):
         return (scale * torch.rand(shape, generator=g, dtype=torch.float64)).round(
