@@ -1611,10 +1611,7 @@ def print_summary(results):
 def plot(results, out):
     """trajectory.png (Fig. 5) of all seeds; violation.png (Fig. 2) and angular.png (Fig. 3) of the
     first seed. Returns their paths (none without matplotlib)."""
-    try:
-        from matplotlib.figure import Figure  # not pyplot: no window, no global state
-    except ImportError:
-        print("matplotlib is not installed: no plots (results.json has the numbers)")
+    if not (Figure := figure_class()):
         return []
     c, runs, paths = results["config"], results["runs"], []
     for draw in (plot_trajectory, plot_violation, plot_angular):
@@ -1630,13 +1627,30 @@ def plot(results, out):
     return paths
 
 
+def figure_class():
+    """matplotlib's Figure (not pyplot: no window, no global state), or None, said in a line,
+    where matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("matplotlib is not installed: no plots (results.json has the numbers)")
+        return None
+    return Figure
+
+
+def seen_curves(entries):
+    """(seeds, T): each seed's mean accuracy on the tasks seen so far, after each task (Fig. 5),
+    from its accuracy matrix."""
+    return torch.tensor([[mean(row[:t + 1]) for t, row in enumerate(e["acc_matrix"])]
+                         for e in entries], dtype=torch.float64)  # as results.json's
+
+
 def plot_trajectory(fig, runs):
     """Fig. 5: the mean accuracy on the tasks seen so far, after each task."""
     ax = fig.subplots()
     for label, entries in (("task-agnostic (the paper's)", runs),
                            ("task-aware (ours)", [r["task_aware"] for r in runs])):
-        curves = torch.tensor([[mean(row[:t + 1]) for t, row in enumerate(e["acc_matrix"])]
-                               for e in entries])  # (seeds, T)
+        curves = seen_curves(entries)
         x = list(range(1, curves.shape[1] + 1))
         ax.plot(x, curves.mean(0), "o-", label=f"{label}, mean of {len(curves)} seed(s)")
         if len(curves) > 1:
@@ -1700,6 +1714,160 @@ def plot_angular(fig, runs):
     right.set(xlabel="cos_old", ylabel="share of the task's test samples", title="cos_old per task")
     fig.supxlabel("prototype: a class's mean unit feature; danger zone (the paper's Fig. 3): "
                   "cos_old > 0.5, a sample close to an old class", fontsize=8)
+
+
+# ---- The paper's figures of a --reproduce set (SET_FIGURES), from its rows' results.json ---------
+def plot_set(cfg, out, rows, done, missing):
+    """The figures that the paper draws of the set (SET_FIGURES) into out, from `done`, the
+    finished rows' results.json ({row: its results}); each title names the rows `missing`.
+    Returns their paths (none without matplotlib, or without a finished row)."""
+    figures = SET_FIGURES.get(cfg.reproduce, ())
+    if not (figures and done and (Figure := figure_class())):
+        return []
+    c = next(iter(done.values()))["config"]  # the set's rows share the data set and T
+    seeds = "/".join(map(str, sorted({len(r["runs"]) for r in done.values()})))
+    left_out = f"\nnot finished, not drawn: {', '.join(missing)}" if missing else ""
+    paths = []
+    for title, draw in figures:
+        fig = Figure(figsize=(13, 4.4), layout="constrained")
+        fig.suptitle(f"{title}\n{c['dataset']}, T={c['tasks']}, {c['epochs']} epoch(s) a task, "
+                     f"{seeds} seed(s) a row{left_out}", fontsize=9)
+        draw(fig, rows, done)
+        handles, labels = fig.axes[0].get_legend_handles_labels()  # the others draw the same rows
+        if handles:  # beside the panels: on one, it would cover lines or bars
+            fig.legend(handles, labels, loc="outside right upper", fontsize=7)
+        paths.append(os.path.join(out, draw.__name__.removeprefix("plot_") + ".png"))
+        fig.savefig(paths[-1], dpi=120)
+    return paths
+
+
+def row_label(row, flags, config):
+    """A row's name in a figure: the paper's name of its method, or its own flags."""
+    name = describe(config)
+    return f"{row}: {flags if name.startswith('custom') else name}"
+
+
+def row_style(i):
+    """The colour, marker and line style of a set's i-th row, the same in every panel; hollow
+    markers and four line styles keep rows with equal values seen."""
+    return dict(color=f"C{i % 10}", marker="osD^v<>ph*"[i % 10], ls=("-", "--", ":", "-.")[i % 4],
+                mfc="none", ms=5)
+
+
+def plot_trajectories(fig, rows, done):
+    """Fig. 5: each row's mean accuracy on the tasks seen, after each task, task-agnostic (the
+    paper's) and task-aware; the mean over its seeds, a band of ± their sample std (n - 1)."""
+    axes = fig.subplots(1, 2, sharey=True)
+    for i, (row, r) in enumerate(done.items()):
+        label = row_label(row, rows[row], r["config"])
+        for ax, entries in zip(axes, (r["runs"], [run["task_aware"] for run in r["runs"]])):
+            curves = seen_curves(entries)  # (seeds, T)
+            x, m = range(1, curves.shape[1] + 1), curves.mean(0)
+            ax.plot(x, m, label=label, **row_style(i))
+            if len(curves) > 1:  # a std needs two seeds
+                s = curves.std(0)  # torch's default: the sample std
+                ax.fill_between(x, m - s, m + s, color=row_style(i)["color"], alpha=0.15, lw=0)
+    for ax, name in zip(axes, ("task-agnostic (the paper's): the argmax over all heads",
+                               "task-aware (ours): the true task's head")):
+        ax.set(xlabel="after task", xticks=x, title=name)
+        label_ends(ax, ".2f")
+    axes[0].set(ylabel="mean accuracy on the tasks seen (%)")
+    fig.supxlabel("line: the mean over a row's seeds, its last value at its end; band, with two "
+                  "seeds or more: ± their sample std", fontsize=8)
+
+
+def plot_sweep(fig, rows, done):
+    """Fig. 4a, 4b and the appendix's lambda: ACC and MAA, and BWT, over the value that the rows
+    sweep, each the mean over the seeds with ± their sample std (n - 1) as error bars."""
+    key = next(iter(parse(rows[next(iter(done))].split())[1]))  # the one flag of each row
+    x = [r["config"][key] for r in done.values()]
+    stats = [summarize(r["runs"]) for r in done.values()]
+    left, right = fig.subplots(1, 2)
+    for ax, metric, style in ((left, "ACC", "o-C0"), (left, "MAA", "s--C1"),
+                              (right, "BWT", "D-C2")):  # BWT's colour its own
+        ax.errorbar(x, [nan(st[metric]["mean"]) for st in stats], capsize=4, fmt=style,
+                    yerr=[nan(st[metric]["std"]) for st in stats], label=metric)
+    meaning = next(f.metadata["help"] for f in fields(Config) if f.name == key).split(";")[0]
+    for ax, ylabel in ((left, "accuracy (%)"), (right, "BWT (percentage points; < 0: forgetting)")):
+        ax.set(xlabel=f"{flag(key)}: {meaning}", xticks=x, ylabel=ylabel)
+    left.set(title="ACC: on all tasks after the last; MAA: its mean over the run")
+    right.set(title="BWT: the mean change of a task's accuracy from its end to the run's")
+    fig.supxlabel("point: the mean over a row's seeds; error bar, with two seeds or more: ± their "
+                  "sample std", fontsize=8)
+
+
+def plot_gr_plugin(fig, rows, done):
+    """Fig. 6: ACC, MAA and BWT of each row, before GR and after, a bar each: the mean over its
+    seeds, ± their sample std (n - 1), its value, and after the first its change from it."""
+    names = [row_label(row, rows[row], r["config"]).replace(": ", "\n") for row, r in done.items()]
+    for ax, metric in zip(fig.subplots(1, 3), ("ACC", "MAA", "BWT")):
+        stats = [summarize(r["runs"])[metric] for r in done.values()]
+        first = nan(stats[0]["mean"])
+        for i, s in enumerate(stats):
+            change = nan(s["mean"]) - first  # NaN where one is undefined: BWT of one task
+            text = fmt(s["mean"]) + (f" ({change:+.2f})" if i and math.isfinite(change) else "")
+            bars = ax.bar(i, nan(s["mean"]), yerr=s["std"], capsize=4, color=row_style(i)["color"])
+            ax.bar_label(bars, [text], padding=3, fontsize=8)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.margins(y=0.15)  # room for the values above the bars
+        lo, hi = ax.get_ylim()
+        if hi - lo < 1:  # bars of 0, as a BWT with nothing forgotten: an axis, not round-off's
+            ax.set_ylim(lo - 1, hi + 1)
+        ax.set(xticks=range(len(names)), xticklabels=names, title=metric,
+               ylabel="BWT (percentage points; < 0: forgetting)" if metric == "BWT"
+               else f"{metric} (%)")
+    fig.supxlabel("bar: the mean over a row's seeds, its value above it, in brackets its change "
+                  "from the first; error bar, with two seeds or more: ± their sample std",
+                  fontsize=8)
+
+
+def plot_efficiency(fig, rows, done):
+    """The appendix's efficiency figures: each row's training time per task, its cumulative time
+    and its throughput each epoch, the means over its seeds."""
+    per_task, total, speed = fig.subplots(1, 3)
+    for i, (row, r) in enumerate(done.items()):
+        seconds = torch.tensor([run["task_seconds"] for run in r["runs"]],
+                               dtype=torch.float64).mean(0)  # (T,)
+        speeds = torch.tensor([[v for task in run["throughput"] for v in task]
+                               for run in r["runs"]], dtype=torch.float64).mean(0)  # (T epochs,)
+        x = range(1, len(seconds) + 1)
+        per_task.plot(x, seconds, label=row_label(row, rows[row], r["config"]), **row_style(i))
+        total.plot(x, seconds.cumsum(0), **row_style(i))
+        speed.plot(range(1, len(speeds) + 1), speeds, **row_style(i))
+    label_ends(total, ".1f")
+    per_task.set(xlabel="task", xticks=x, ylabel="training time (s)", title="per task")
+    total.set(xlabel="after task", xticks=x, ylabel="training time so far (s)",
+              title="cumulative, its total at its end")
+    speed.set(xlabel="epoch of the run: task 1's epochs, then task 2's, ...",
+              ylabel="throughput (images / s)", title="throughput each epoch")
+    speed.locator_params(axis="x", integer=True)
+    fig.supxlabel("each the mean over a row's seeds; a task's time: its training and the "
+                  "method's own passes (OE's, GPM's), not its tests", fontsize=8)
+
+
+def nan(value):
+    """A value for matplotlib, which leaves NaN out: None, undefined, as NaN."""
+    return math.nan if value is None else value
+
+
+def label_ends(ax, spec):
+    """Each line's last value written at its end, in its colour, inside the frame: texts closer
+    than a text's height are moved apart, up from the lowest, then down from the frame's top."""
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(right=hi + 0.25 * (hi - lo))  # room for the texts: a fifth of the frame
+    lo, hi = ax.get_ylim()
+    gap = 0.05 * (hi - lo)  # a 7-pt text is about 4 % of a panel of a 4.4-inch figure
+    lines = sorted(ax.lines, key=lambda line: line.get_ydata()[-1])
+    y = [line.get_ydata()[-1] for line in lines]
+    for i in range(1, len(y)):
+        y[i] = max(y[i], y[i - 1] + gap)
+    y[-1] = min(y[-1], hi - gap / 2)
+    for i in reversed(range(len(y) - 1)):
+        y[i] = min(y[i], y[i + 1] - gap)
+    for line, at in zip(lines, y):
+        x, value = line.get_xydata()[-1]
+        ax.annotate(format(value, spec), (x, at), xytext=(6, 0), textcoords="offset points",
+                    va="center", color=line.get_color(), fontsize=7, annotation_clip=False)
 
 
 # ---- --benchmark: the time of a step -------------------------------------------------------------
@@ -1793,12 +1961,25 @@ REPRODUCE = {
     "backbones": ("Table 4: Janus-LoRA on other pre-trainings",
                   {w: f"--weights {w}" for w in ("in21k", "sam", "dino")}),
 }
+# NAME: the figures the paper draws of it (title, function); the appendix's times for every set
+# whose rows are several methods (they differ in SWITCHES). Table 4 and 5 are tables alone.
+FIG5 = ("Fig. 5: the mean accuracy on the tasks seen, after each task", plot_trajectories)
+TIMES = ("the appendix's efficiency figures: per-task and cumulative training time, throughput",
+         plot_efficiency)
+SET_FIGURES = {
+    "ablation": (FIG5, TIMES), "methods": (FIG5, TIMES), "oe-vs-gpm": (TIMES,),
+    "gr-plugin": (("Fig. 6: ACC, MAA and BWT before and after GR", plot_gr_plugin), TIMES),
+    "k": (("Fig. 4a: ACC, MAA and BWT over the rank k of the OE basis", plot_sweep),),
+    "margin": (("Fig. 4b: ACC, MAA and BWT over the DML margin m", plot_sweep),),
+    "lambda": (("the appendix's lambda figure: ACC, MAA and BWT over the DML weight lambda",
+                plot_sweep),),
+}
 
 
 def reproduce(cfg, typed):
     """Each row into OUT/<row>/ with the flags typed and the row's own: a row that another live
     process holds is left to it, a finished row skipped, an interrupted one continued; a row run
-    with other flags is refused. Then table.md of the rows finished."""
+    with other flags is refused. Then table.md and the paper's figures of the rows finished."""
     what, rows = REPRODUCE[cfg.reproduce]
     out = cfg.out = cfg.out or os.path.join("runs", f"{cfg.reproduce}-{cfg.dataset}-T{cfg.tasks}")
     common = to_argv({k: v for k, v in typed.items() if k not in ("reproduce", "row", "dry_run",
@@ -1834,32 +2015,63 @@ def reproduce(cfg, typed):
                 write_json(os.path.join(out, "reproduce.json"),
                            {"argv": reproduce_argv(cfg, typed)})
     if not cfg.dry_run:
-        write_table(cfg, out, rows)
+        write_set(cfg, out, rows)
     return 0
 
 
-def write_table(cfg, out, rows):
-    """table.md: each finished row's metrics (mean ± sample std over seeds), analyses and time."""
+def write_set(cfg, out, rows):
+    """table.md and the paper's figures of the set from its finished rows' results.json (with
+    --row, or a row held elsewhere, some may not have run): those not finished are named."""
+    done = {row: read_run_file(os.path.join(out, row), "results.json") for row in rows
+            if os.path.exists(os.path.join(out, row, "results.json"))}  # once a seed finished
+    missing = [row for row in rows if row not in done]
+    written = [write_table(cfg, out, rows, done, missing), *plot_set(cfg, out, rows, done, missing)]
+    left_out = f" (rows not finished, left out: {', '.join(missing)})" if missing else ""
+    print(f"wrote {' '.join(map(q, written))}{left_out}")
+
+
+# What table.md's columns measure, below it.
+TABLE_NOTE = """\
+ACC, MAA, BWT: Sec. 4.1's, task-agnostic as the paper's (the argmax over all seen tasks' heads);
+task-aware: the true task's head alone. Output change: the RMS change that each task's LoRA update
+makes to the K/V outputs of the past tasks' test inputs, and of the current task's (Fig. 2 on real
+inputs; the mean over tasks 2..T, the K/V layers and the seeds): the method keeps the first small
+and the second not. Violation: the share of each update on the memory M, ||dW M|| / ||dW|| (Fig.
+2). Danger share: the test samples closer than 0.5 in cosine to an old prototype (Fig. 3). s /
+task: a task's training time. The accuracy over all test samples, InfLoRA's logs' (the ACC where
+the tasks' test sets are of one size), is results.json's summary's sample_ACC. With random weights
+(--weights none) the task-agnostic ACC and BWT measure how heads trained apart compare their
+logits on features that do not yet tell tasks apart: read the task-aware columns and the output
+change there."""
+
+
+def write_table(cfg, out, rows, done, missing):
+    """table.md: each finished row's metrics, task-agnostic and task-aware (mean ± sample std over
+    seeds), the output change of the past tasks' inputs and the current task's, the analyses and
+    the time; what they measure below it. Returns its path."""
+    left_out = f" Rows not finished, left out: {', '.join(missing)}." if missing else ""
     lines = [f"# --reproduce {cfg.reproduce}: {REPRODUCE[cfg.reproduce][0]}",
-             f"{cfg.dataset}, T = {cfg.tasks}; mean ± sample std over seeds; the paper's: README.",
-             "", "| row | flags | seeds | ACC | MAA | BWT | ACC over samples | task-aware ACC | "
-             "violation | danger share | s / task |", "|" + "---|" * 11]
-    for row in rows:
-        runs = finished(os.path.join(out, row))
-        if not runs:  # with --row, the others may not have run
-            continue
-        s = summarize(runs)
+             f"{cfg.dataset}, T = {cfg.tasks}; mean ± sample std over seeds; the paper's: README."
+             + left_out, "",
+             "| row | flags | seeds | ACC | MAA | BWT | task-aware ACC | task-aware BWT | output "
+             "change, past tasks | output change, current task | violation | danger share | "
+             "s / task |", "|" + "---|" * 13]
+    for row, results in done.items():
+        runs, s = results["runs"], summarize(results["runs"])
         violations = [v for r in runs for n in "kv" for task in r["violation"][n] for v in task]
+        change = [mean([v for r in runs for i in r["interference"] if i for v in i[inputs]])
+                  for inputs in ("past", "current")]  # task 1's: None, no past tasks
         cells = [row, f"`{rows[row] or '(none)'}`", len(runs),
-                 *[f"{fmt(s[k]['mean'])} ± {fmt(s[k]['std'])}"
-                   for k in ("ACC", "MAA", "BWT", "sample_ACC")],
-                 fmt(s["task_aware"]["ACC"]["mean"]), fmt(mean(violations), ".2e"),
+                 *[fmt(m["mean"]) + ("" if m["std"] is None else f" ± {m['std']:.2f}") for m in
+                   (s["ACC"], s["MAA"], s["BWT"], s["task_aware"]["ACC"], s["task_aware"]["BWT"])],
+                 *[fmt(c, ".3g") for c in change], fmt(mean(violations), ".2e"),
                  fmt(mean([g["danger"] for r in runs for g in r["geometry"] if g]), ".3f"),
                  fmt(mean([x for r in runs for x in r["task_seconds"]]), ".1f")]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    text = "\n".join(lines)
+    text = "\n".join(lines + ["", TABLE_NOTE])
     write_file(os.path.join(out, "table.md"), text + "\n")
-    print(f"{text}\nwrote {q(os.path.join(out, 'table.md'))}")
+    print(text)
+    return os.path.join(out, "table.md")
 
 
 def without_fixes(message, flags):
