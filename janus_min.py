@@ -102,7 +102,7 @@ class Config:
     dataset: str = _opt("cifar100", "data set (Sec. 4.1)", choices=list(data.DATASETS))
     data_dir: str = _opt("data", "folder that holds (or receives) the data set")
     tasks: int = _opt(None, "tasks T (default: CIFAR-100 10, as the paper's)")
-    epochs: int = _opt(None, "epochs per task (default: CIFAR-100 20, ImageNet-R 50, DomainNet 5)")
+    epochs: int = _opt(None, "epochs per task (default: CIFAR-100 20, ImageNet-R 50, synthetic 5)")
     batch_size: int = _opt(None, "batch size (default: 128, Sec. 4.1; synthetic 16)")
     img_size: int = _opt(None, "input resolution (default: 224, the paper's; synthetic 64)")
     limit_per_class: int = _opt(None, "keep at most this many training images per class (ours)")
@@ -1756,8 +1756,11 @@ def row_style(i):
 
 def plot_trajectories(fig, rows, done):
     """Fig. 5: each row's mean accuracy on the tasks seen, after each task, task-agnostic (the
-    paper's) and task-aware; the mean over its seeds, a band of ± their sample std (n - 1)."""
-    axes = fig.subplots(1, 2, sharey=True)
+    paper's) and task-aware; the mean over its seeds, a band of ± their sample std (n - 1). And
+    beside them Fig. 2 on real inputs: what each row's updates did to the past tasks' outputs."""
+    *axes, change = fig.subplots(1, 3, width_ratios=(3, 3, 2))
+    axes[1].sharey(axes[0])
+    plot_output_change(change, rows, done)
     for i, (row, r) in enumerate(done.items()):
         label = row_label(row, rows[row], r["config"])
         for ax, entries in zip(axes, (r["runs"], [run["task_aware"] for run in r["runs"]])):
@@ -1767,13 +1770,33 @@ def plot_trajectories(fig, rows, done):
             if len(curves) > 1:  # a std needs two seeds
                 s = curves.std(0)  # torch's default: the sample std
                 ax.fill_between(x, m - s, m + s, color=row_style(i)["color"], alpha=0.15, lw=0)
-    for ax, name in zip(axes, ("task-agnostic (the paper's): the argmax over all heads",
-                               "task-aware (ours): the true task's head")):
-        ax.set(xlabel="after task", xticks=x, title=name)
+    for ax, name in zip(axes, ("task-agnostic (the paper's):\nthe argmax over all heads",
+                               "task-aware (ours):\nthe true task's head")):
+        ax.set(xlabel="after task", xticks=x)
+        ax.set_title(name, fontsize=9)
         label_ends(ax, ".2f")
     axes[0].set(ylabel="mean accuracy on the tasks seen (%)")
     fig.supxlabel("line: the mean over a row's seeds, its last value at its end; band, with two "
-                  "seeds or more: ± their sample std", fontsize=8)
+                  "seeds or more: ± their sample std; bars: the means over tasks 2..T, the K/V "
+                  "layers and the seeds", fontsize=8)
+
+
+def plot_output_change(ax, rows, done):
+    """Fig. 2 on real inputs, a pair of bars a row: the RMS change that its tasks' updates made to
+    the K/V outputs of the past tasks' test images (filled), and of the current task's (hatched),
+    on a log scale, as they differ by orders of magnitude where a memory keeps the past."""
+    for i, (row, r) in enumerate(done.items()):
+        changes = [mean([v for run in r["runs"] for task in run["interference"] if task
+                         for v in task[inputs]]) for inputs in ("past", "current")]
+        bars = ax.bar([i - 0.2, i + 0.2], [nan(c) for c in changes], 0.4,
+                      color=row_style(i)["color"], edgecolor="k", lw=0.5)
+        bars[1].set_hatch("//")
+        ax.bar_label(bars, [fmt(c, ".2g") for c in changes], padding=2, fontsize=7)
+    ax.set(yscale="log", xticks=range(len(done)), ylabel="RMS change of the K/V outputs")
+    ax.set_xticklabels([row.replace("-", "-\n") for row in done], fontsize=8)
+    ax.set_title("Fig. 2 on real inputs: the test images\nof the past tasks (filled), of the\n"
+                 "current task (hatched)", fontsize=9)
+    ax.margins(y=0.2)  # room for the values above the bars
 
 
 def plot_sweep(fig, rows, done):
@@ -1944,6 +1967,9 @@ def mid_run_learner(cfg, backbone, m, classes):
 # ---- --reproduce: every row of a table or figure of the paper, in one command --------------------
 # NAME: (what it reproduces, {row: its flags}), the sweeps' values as the paper names them (README)
 REPRODUCE = {
+    "demo": ("the quick start (ours): Janus-LoRA beside Fine-Tuning, and with GR on Adam's step",
+             {"finetune": "--method finetune", "janus": "--method janus",
+              "janus-update": "--method janus --rectify update"}),
     "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", dict(zip("1234567", [
         "--no-oe --no-gr --no-dml", "--no-oe --no-gr", "--no-gr --no-dml", "--no-oe --no-dml",
         "--no-dml", "--no-gr", ""]))),
@@ -1963,11 +1989,13 @@ REPRODUCE = {
 }
 # NAME: the figures the paper draws of it (title, function); the appendix's times for every set
 # whose rows are several methods (they differ in SWITCHES). Table 4 and 5 are tables alone.
-FIG5 = ("Fig. 5: the mean accuracy on the tasks seen, after each task", plot_trajectories)
+FIG5 = ("Fig. 5: the mean accuracy on the tasks seen, after each task; and Fig. 2's measure on "
+        "real inputs", plot_trajectories)
 TIMES = ("the appendix's efficiency figures: per-task and cumulative training time, throughput",
          plot_efficiency)
 SET_FIGURES = {
-    "ablation": (FIG5, TIMES), "methods": (FIG5, TIMES), "oe-vs-gpm": (TIMES,),
+    "demo": (FIG5, TIMES), "ablation": (FIG5, TIMES), "methods": (FIG5, TIMES),
+    "oe-vs-gpm": (TIMES,),
     "gr-plugin": (("Fig. 6: ACC, MAA and BWT before and after GR", plot_gr_plugin), TIMES),
     "k": (("Fig. 4a: ACC, MAA and BWT over the rank k of the OE basis", plot_sweep),),
     "margin": (("Fig. 4b: ACC, MAA and BWT over the DML margin m", plot_sweep),),
@@ -2040,9 +2068,9 @@ and the second not. Violation: the share of each update on the memory M, ||dW M|
 2). Danger share: the test samples closer than 0.5 in cosine to an old prototype (Fig. 3). s /
 task: a task's training time. The accuracy over all test samples, InfLoRA's logs' (the ACC where
 the tasks' test sets are of one size), is results.json's summary's sample_ACC. With random weights
-(--weights none) the task-agnostic ACC and BWT measure how heads trained apart compare their
-logits on features that do not yet tell tasks apart: read the task-aware columns and the output
-change there."""
+(--weights none) the features do not tell the tasks apart until K and V adapt to them, so the
+task-agnostic ACC and BWT follow how far each method moves the current task's outputs, as much as
+what it forgets: read them beside the task-aware columns and the output change."""
 
 
 def write_table(cfg, out, rows, done, missing):

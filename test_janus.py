@@ -2870,6 +2870,8 @@ PAPER_METHODS = {  # --method: its name in the paper's tables, and its switches 
     "lora-gpm-gr": ("LoRA-GPM + GR", dict(memory="gpm", dml=False)),
     "inflora": ("InfLoRA", dict(memory="gpm", lora_a="inflora", gr=False, dml=False))}
 PAPER_ROWS = {  # --reproduce NAME: {row: what the paper's row changes from Janus-LoRA's defaults}
+    "demo": {"finetune": dict(PAPER_METHODS["finetune"][1], method="finetune"),  # the quick start
+             "janus": dict(method="janus"), "janus-update": dict(method="janus", rectify="update")},
     "ablation": {str(i): dict(oe=oe, gr=gr, dml=dml) for i, (oe, gr, dml) in enumerate([
         (False, False, False), (False, False, True), (True, False, False), (False, True, False),
         (True, True, False), (True, False, True), (True, True, True)], 1)},  # Table 1's marks
@@ -3418,10 +3420,10 @@ def _end_text(ax, line):  # the text written at a line's end, in its colour
 
 def test_each_sets_figure_draws_its_rows_results(tmp_path, monkeypatch):
     """Fig. 5 (the mean accuracy on the seen tasks, a line per row, a band of ± the sample std,
-    each end's value), the efficiency figures (time per task, cumulative, throughput), Fig. 6
+    each end's value) with Fig. 2's output change beside it, the efficiency figures (time per task, cumulative, throughput), Fig. 6
     (each metric before and after GR), Fig. 4a (ACC, MAA, BWT over k, ± the sample std): the
     drawn values, read from the artists, are the rows' results.json's; legends cover nothing."""
-    pytest.importorskip("matplotlib")
+    matplotlib = pytest.importorskip("matplotlib")
     from matplotlib.container import ErrorbarContainer
     rows = _write_set(tmp_path / "methods", "methods")
     drawn, res = _draw_set(tmp_path / "methods", "methods", rows, monkeypatch)
@@ -3440,6 +3442,15 @@ def test_each_sets_figure_draws_its_rows_results(tmp_path, monkeypatch):
                                                      for v in (x, m[x - 1] + sign * s[x - 1])])
             assert _end_text(ax, line) == f"{m[-1]:.2f}"
     assert "(%)" in fig.axes[0].get_ylabel()
+    change = fig.axes[2]  # Fig. 2 on real inputs: a row's past tasks' bar, then its current task's
+    assert [bar.get_height() for bar in change.patches] == pytest.approx([
+        statistics.fmean(v for run in r["runs"] for task in run["interference"][1:]
+                         for v in task[inputs]) for r in res.values()
+        for inputs in ("past", "current")])
+    assert [bar.get_hatch() for bar in change.patches] == [None, "//"] * len(res)
+    assert [bar.get_facecolor() for bar in change.patches[::2]] == [  # each row in its colour
+        matplotlib.colors.to_rgba(line.get_color()) for line in fig.axes[0].lines]
+    assert change.get_yscale() == "log"
     per_task, total, speed = drawn["efficiency.png"].axes
     for lines, r in zip(zip(per_task.lines, total.lines, speed.lines), res.values()):
         seconds, _ = _over_seeds([run["task_seconds"] for run in r["runs"]])
