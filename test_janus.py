@@ -3420,9 +3420,10 @@ def _end_text(ax, line):  # the text written at a line's end, in its colour
 
 def test_each_sets_figure_draws_its_rows_results(tmp_path, monkeypatch):
     """Fig. 5 (the mean accuracy on the seen tasks, a line per row, a band of ± the sample std,
-    each end's value) with Fig. 2's output change beside it, the efficiency figures (time per task, cumulative, throughput), Fig. 6
-    (each metric before and after GR), Fig. 4a (ACC, MAA, BWT over k, ± the sample std): the
-    drawn values, read from the artists, are the rows' results.json's; legends cover nothing."""
+    each end's value) with Fig. 2's output change beside it, the efficiency figures (time per
+    task, cumulative, throughput), Fig. 6 (each metric before and after GR), Fig. 4a (ACC, MAA,
+    BWT over k, ± the sample std): the drawn values, read from the artists, are the rows'
+    results.json's; legends cover nothing."""
     matplotlib = pytest.importorskip("matplotlib")
     from matplotlib.container import ErrorbarContainer
     rows = _write_set(tmp_path / "methods", "methods")
