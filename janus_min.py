@@ -12,9 +12,11 @@ train_task (a loop of train_step), end_task, evaluate, record_analyses and run's
 checkpoint. To read the method, go straight to train_step, the first function of part 1.
 
 Where the code reads the paper differently, or fills a silence (the README says why):
-- M, not V: the safe gradient projects with M, the finished tasks' OE bases, one a block for K
-  and V; a task's V (k columns) joins M at its end until M fills the width (protected, end_task,
-  OnlineSubspace.merge). --memory oe-rolling projects with V, as the paper's words read.
+- M, not V: the safe gradient projects with M, the finished tasks' OE bases (the basis memory of
+  the paper's Fig. 1), one a block for K and V; a task's V (k columns) joins M at its end until M
+  fills the width, after D / k tasks (16 for ViT-B at k = 50), when K and V stop learning
+  (protected, end_task, OnlineSubspace.merge). --memory oe-rolling projects with V, as the
+  paper's words read.
 - G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix says the task's (train_step).
 - OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step comes after
   Adam's, on the K/V inputs of the forward pass before it (OnlineSubspace.update, train_step).
@@ -28,8 +30,8 @@ Where the code reads the paper differently, or fills a silence (the README says 
   its training images, under the test transform (dml_loss, end_task, class_prototypes).
 - LoRA's life: s = 1; each task a fresh pair, A off M and B = 0, merged into W0 at the task's end
   (LoRALinear.reset_, LoRALinear.merge_).
-- Under bf16 autocast A's split off M, GR and OE stay in float32, their small systems in float64
-  (LoRALinear.forward, rectify_factors, OnlineSubspace.update).
+- Under bf16 autocast A's split off M and OE's products stay in float32, GR and the small systems
+  run in float64 (LoRALinear.forward, rectify_factors, OnlineSubspace.update).
 - Ours beside the paper's: GR on Adam's step, --rectify update (rectified_adam_step_); the
   task-aware accuracy (evaluate); Fig. 2's violation relative, ||dW M|| / ||dW|| (violation).
 - The protocol is the InfLoRA codebase's: inputs in [0, 1] (Config.input_range), classes in
@@ -227,7 +229,8 @@ class LoRALinear(nn.Linear):
     B (d_out, r) trained. M (d_in, m) is its block's orthonormal memory, set at each task's start
     (start_task). The gradients are safe: the chain rule's of G_safe = G (I - M M^T). With SGD,
     A's steps are then off M, so A stays off M (reset_ starts it there) and s B A M = 0; Adam's
-    per-coordinate scaling moves A into span(M), which --rectify update fixes."""
+    per-coordinate scaling moves A into span(M) (in a two-task test of one layer, a fifth of the
+    update's norm, ||dW M|| / ||dW||), which --rectify update fixes."""
 
     def __init__(self, in_features, out_features, rank, scale):
         super().__init__(in_features, out_features)  # W0 and its bias, the checkpoint's
@@ -247,7 +250,9 @@ class LoRALinear(nn.Linear):
         # do not change. With G = dL/dW and P = I - M M^T, A's gradient flows through A_out = A P
         # alone, so dL/dA = (s B^T G) P = s B^T G_safe; B's flows through its copy times A_out, so
         # dL/dB = s G (A P)^T = s (G P) A^T = s G_safe A^T, as P is symmetric. A test checks
-        # these two, the output and dL/dx against autograd through a dense W0 + s B A.
+        # these two, the output and dL/dx against autograd through a dense W0 + s B A. Under bf16
+        # autocast, A's gradient is exactly off M (P applied in float32), B's accurate to bf16:
+        # harmless, as a step dB changes dW M = s dB (A M) by nothing while A M = 0.
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dtype = torch.promote_types(self.A.dtype, torch.float32)
             A, M = self.A.to(dtype), self.M.to(dtype)
@@ -285,8 +290,9 @@ def lora_layers(model):
 # ---- The Decoupled Margin Loss, Eq. (11) ---------------------------------------------------------
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     """Eq. (11). z (B, D) features; y (B,) labels of the current task (of num_classes); old
-    prototypes (P, D), unit rows. The current prototypes are the batch's unit class means, and the
-    gradient flows through them too (ours: the paper does not say)."""
+    prototypes (P, D), unit rows. The current prototypes are the batch's unit class means, each
+    sample in its own class's, and the gradient flows through them too (ours: the paper does not
+    say); so a class of one sample in the batch gives z.p = 1."""
     z = F.normalize(z.float(), dim=1)
     onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C)
     protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
@@ -322,10 +328,11 @@ def rectify_factors(BtG, GAt, A, B, scale, delta):
     BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
     # Why (delta -> 0; G = G_safe; P_B = B (B^T B)^-1 B^T, P_A = A^T (A A^T)^-1 A): s B dA = P_B G,
     # R = (I - P_B) G and s dB A = R P_A = (I - P_B) G P_A. The residual (I - P_B) G (I - P_A) is
-    # orthogonal to every B X + Y A: this is the exact minimiser of Eq. (5), a linear least-squares
-    # problem. If A M = 0, then P_A M = 0, and as G M = 0, s (B dA + dB A) M = 0: it stays off M.
-    # Eq. (5) fits s (B dA + dB A), hence the 1/s. dA scales as 1 / |B|: large while B is small,
-    # and 0 at a task's first step, where B = 0.
+    # orthogonal to every B X + Y A: this is the exact minimiser of Eq. (5), which the paper calls
+    # non-convex but is linear least squares in (dA, dB). If A M = 0, then P_A M = 0, and as
+    # G M = 0, s (B dA + dB A) M = 0: it stays off M. Eq. (5) fits s (B dA + dB A), hence the
+    # 1/s. dA scales as 1 / |B|: large while B is small, and 0 at a task's first step, where
+    # B = 0; Adam, which scales each coordinate's step to about lr, undoes that scaling.
     dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6), delta relative (ours)
     RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T = G A^T - s B (dA A^T): neither R nor G formed
     # Eq. (7) transposed, dB^T = (A A^T)^-1 (R A^T)^T / s, as spd_solve solves from the left.
@@ -374,9 +381,11 @@ class OnlineSubspace:
             return
         # The step. With C = X_p^T X_p V, Eq. (8)'s gradient is -2 C + C V^T V + V V^T C, which is
         # -(I - V V^T) C at V^T V = I. As M^T V = 0, X_p V = X V (x @ v below), and so
-        # S = (X_p V)^T (X_p V) = V^T C. At eta = 1, V - grad S^-1 = V + C S^-1 - V (V^T C) S^-1 =
-        # C S^-1 (ridge aside), whose Q spans X_p^T X_p V: one step of subspace iteration. And as
-        # V^T grad = 0, V~^T V~ = I + eta^2 (grad S^-1)^T (grad S^-1) >= I: qr_q's Cholesky is safe.
+        # S = (X_p V)^T (X_p V) = V^T C. The step below, `grad`, is that gradient times S^-1:
+        # -(I - V V^T) C S^-1. So V~ = V - eta grad = V + eta (C S^-1 - V (V^T C) S^-1)
+        # = (1 - eta) V + eta C S^-1 (ridge aside): at eta = 1, C S^-1, whose Q spans X_p^T X_p V,
+        # one step of subspace iteration. And as V^T grad = 0, V~^T V~ = I + eta^2 grad^T grad >= I:
+        # qr_q's Cholesky is safe.
         CS = []
         for x, v in zip(X, V):
             x = x.reshape(-1, v.shape[0]).float()  # (n, D)
@@ -478,7 +487,7 @@ def least_norm_split(dA, dB, A, B):
     P, Q = gram(B), gram(A.mT)  # (..., r, r)
     r, batch = P.shape[-1], P.shape[:-2]
     I = torch.eye(r, dtype=P.dtype, device=P.device)
-    # Row-major vec(P C + C Q) = (P kron I + I kron Q) vec(C): an r^2 x r^2 positive semidefinite
+    # Row-major vec(P C + C Q) = (P kron I + I kron Q^T) vec(C), Q^T = Q: an r^2 x r^2 semidefinite
     # system, consistent, solved with a round-off ridge (its least-norm solution where singular).
     K = torch.einsum("...ik,jl->...ijkl", P, I) + torch.einsum("ik,...jl->...ijkl", I, Q)
     K = ridge(K.reshape(*batch, r * r, r * r), r * torch.finfo(P.dtype).eps)
@@ -804,7 +813,8 @@ def violation(A, B, M):
 @torch.no_grad()
 def probe(model, factors, images, current, cfg):
     """Fig. 2 on real activations: per K/V layer, the mean of ||x dW^T||^2 over the past tasks'
-    tokens and over the current task's, (2, layers); and the current task's z and y."""
+    tokens and over the current task's, (2, layers); and the current task's z and y. x: the K/V
+    inputs of the model after the task (merged), not of the model that learned the past tasks."""
     energy, tokens, zs, ys = 0.0, 0.0, [], []
     for z, kv_inputs, y in batches(model, images, cfg):
         now = (y[:, None] == torch.tensor(current, device=y.device)).any(1)  # (B,)
