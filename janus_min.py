@@ -1695,8 +1695,8 @@ def interrupt(signum, frame):
 def main(argv=None):
     """python janus_min.py [flags] (see --help): bad input and a diverged loss end in one line that
     says what to do (exit 2); Ctrl-C and SIGTERM in the command that continues (130, 143);
-    anything else is a bug, and keeps its traceback. The folders it holds are released at its
-    end, and SIGTERM's handler restored."""
+    anything else is a bug, and keeps its traceback. At its end the folders it holds are
+    released, its loader workers ended and SIGTERM's handler restored."""
     cfg = None
     held, on_sigterm = set(HELD), signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -1721,6 +1721,7 @@ def main(argv=None):
     finally:
         signal.signal(signal.SIGTERM, on_sigterm)
         release(set(HELD) - held)
+        data.end_workers()
 
 
 if __name__ == "__main__":
