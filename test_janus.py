@@ -1192,10 +1192,8 @@ def test_dml_terms_direction_and_prototypes():
     assert torch.allclose(protos, expected, atol=1e-6)
 
 
-def _images(x, y):  # an in-memory data set as data.subset and the loaders take it
-    ds = torch.utils.data.TensorDataset(x, torch.as_tensor(y))
-    ds.targets = list(map(int, y))
-    return ds
+def _images(x, y):  # uint8 images (N, C, H, W) that the loaders give as floats in [0, 1]
+    return data._Images(x, y, torch.nn.Identity())
 
 
 class Identity(torch.nn.Module):  # a backbone: its feature is the image; its K/V input given
@@ -1217,7 +1215,8 @@ def test_metrics_and_evaluate_on_hand_built_cases():
     assert out["BWT"] == pytest.approx(((60 - 90) + (65 - 70)) / 2)
     D, tasks = 4, [[0, 1], [2, 3]]
     labels = [0, 1, 2, 3, 2, 3, 2, 3]  # task 1: 2 test samples, task 2: 6
-    splits = SimpleNamespace(test=_images(torch.eye(D)[labels].reshape(8, 1, 2, 2), labels))
+    one_hot = torch.eye(D, dtype=torch.uint8)[labels].reshape(8, 1, 2, 2) * 255  # 1.0 when read
+    splits = SimpleNamespace(test=_images(one_hot, labels))
     heads = torch.nn.ModuleList([torch.nn.Linear(D, 2, bias=False), torch.nn.Linear(D, 2)])
     with torch.no_grad():
         heads[0].weight.copy_(torch.eye(D)[:2])  # right, on its own classes
@@ -1414,11 +1413,12 @@ def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_m
     torch.manual_seed(9)
     model = vit.PRESETS["vit_tiny"](depth=2, img_size=32, patch_size=8).eval()
     factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
-    images, y = torch.rand(10, 3, 32, 32), torch.tensor([0, 1, 2, 3, 4] * 2)
+    images = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8)
+    y = torch.tensor([0, 1, 2, 3, 4] * 2)
     cfg = jm.Config(device="cpu", batch_size=4, workers=0, lora_scale=0.5)
     energy, z, z_y = jm.probe(model, factors, _images(images, y.tolist()), [3, 4], cfg)
     with torch.no_grad():
-        z_all, kv = model.encode(images)
+        z_all, kv = model.encode(images.float() / 255)
     current = y >= 3  # classes 3, 4: the current task
     assert torch.allclose(z, z_all[current], atol=1e-6) and torch.equal(z_y, y[current])
     for j, (A, B) in enumerate(factors):
@@ -1442,7 +1442,7 @@ def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_m
         model = Identity()
         model.kv = X[None]  # one "image" of 64 tokens, of a past class
         energy = jm.probe(model, [(layer.A.detach(), layer.B.detach())], _images(
-            torch.zeros(1, 1, 1, 1), [0]), [1], cfg)[0]
+            torch.zeros(1, 1, 1, 1, dtype=torch.uint8), [0]), [1], cfg)[0]
         past = float(energy[0, 0].sqrt())
         assert past == pytest.approx(expected, abs=1e-5 * float(dW.norm() * X.norm() / 8))
 
