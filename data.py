@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms as T
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -70,16 +70,21 @@ class _Images(Dataset):
         return len(self.targets)
 
     def __getitem__(self, i):
-        item = self.source[i]
-        if torch.is_tensor(item):  # as floats in [0, 1]
-            return self.transform(item.float() / 255), self.targets[i]
-        if isinstance(item, str):  # a file, read whole here: a damaged one is named
-            with _reading(item, "replace it with an intact copy (fetch the data set again)"):
-                img = Image.open(item)
-                img.load()
-        else:
-            img = to_pil_image(torch.tensor(item))
-        return self.transform(img.convert("RGB")), self.targets[i]  # grey copied to 3 channels
+        return self.transform(_read(self.source[i])), self.targets[i]
+
+
+def _read(item):
+    """An _Images source item as its transform takes it: a tensor as floats in [0, 1]; a file or
+    an array as an RGB image (grey copied to 3 channels)."""
+    if torch.is_tensor(item):
+        return item.float() / 255
+    if isinstance(item, str):  # a file, read whole here: a damaged one is named
+        with _reading(item, "replace it with an intact copy (fetch the data set again)"):
+            img = Image.open(item)
+            img.load()
+    else:
+        img = to_pil_image(torch.tensor(item))
+    return img.convert("RGB")
 
 
 @contextmanager
@@ -350,21 +355,20 @@ def subset(ds, classes):
 
 
 class _Seeded(Dataset):
-    """ds, its item (i, seed) made as ds[i] under that seed (fork_rng: the run's generator stays).
-    Plain data, which a worker process receives under any start method (fork, spawn, forkserver)."""
-
-    def __init__(self, ds):
-        self.ds = ds
+    """Items (image, label, transform, seed) made as _Images makes one, under that seed (fork_rng:
+    the process's generator stays). An item carries all it needs, so one DataLoader over this
+    serves every file-based pass of a process (_process_loader)."""
 
     def __getitem__(self, item):
+        image, label, transform, seed = item
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(item[1])
-            return self.ds[item[0]]
+            torch.manual_seed(seed)
+            return transform(_read(image)), label
 
 
 class _Draws(Sampler):
-    """Each epoch's (i, seed) pairs for _Seeded, drawn in the main process by one generator: the
-    order (shuffled when shuffle) and a seed per sample."""
+    """Each epoch's (i, seed) pairs, drawn in the main process by one generator: the order
+    (shuffled when shuffle) and a seed per sample, under which _Seeded makes it."""
 
     def __init__(self, n, shuffle, seed):
         self.n, self.shuffle, self.gen = n, shuffle, torch.Generator().manual_seed(seed)
@@ -378,16 +382,76 @@ class _Draws(Sampler):
 
 
 def make_loader(ds, batch_size, train, workers, seed, device=None):
-    """Batches of ds (shuffled when train) whose order and augmentations come from seed alone, not
-    from --workers: an in-memory set's made on device by DeviceLoader (the CPU too, by default:
-    CIFAR-100 at 224 px gave ~3,600 images/s there on 2 threads, PIL ~1,000 in 2 workers), a
-    file-based set's by a DataLoader with `workers` processes."""
-    if getattr(ds.dataset if isinstance(ds, Subset) else ds, "batched", None) is not None:
+    """Batches of ds, an _Images or a Subset of one (shuffled when train), whose order and
+    augmentations come from seed alone, not from --workers: an in-memory set's made on device by
+    DeviceLoader (the CPU too, by default: CIFAR-100 at 224 px gave ~3,600 images/s there on 2
+    threads, PIL ~1,000 in 2 workers), a file-based set's by the process's `workers` processes."""
+    images, idx = (ds.dataset, ds.indices) if isinstance(ds, Subset) else (ds, range(len(ds)))
+    if images.batched is not None:
         return DeviceLoader(ds, batch_size, train, seed, torch.device(device or "cpu"))
-    return DataLoader(_Seeded(ds), batch_size=batch_size, sampler=_Draws(len(ds), train, seed),
-                      num_workers=workers, pin_memory=torch.cuda.is_available(),
-                      persistent_workers=workers > 0,
-                      generator=torch.Generator().manual_seed(seed))  # its base seed: not the run's
+    return _Batches(images, idx, batch_size, train, workers, seed)
+
+
+class _Batches:
+    """The batches of images[idx], epoch after epoch: _Draws draws each epoch's order and seeds
+    here, the process's DataLoader (_process_loader) reads and transforms the images."""
+
+    def __init__(self, images, idx, batch_size, train, workers, seed):
+        self.images, self.idx, self.workers = images, idx, workers
+        self.draws = BatchSampler(_Draws(len(idx), train, seed), batch_size, drop_last=False)
+
+    def __len__(self):
+        return len(self.draws)
+
+    def __iter__(self):
+        """One epoch. The workers serve one pass at a time: a pass begun within another would take
+        them over, and is refused."""
+        loader = _process_loader(self.workers)
+        feed, ds, idx = loader.batch_sampler, self.images, self.idx
+        if feed.batches is not None:
+            raise RuntimeError("a pass over a file-based set began before the last one ended")
+        feed.batches = ([(ds.source[idx[i]], ds.targets[idx[i]], ds.transform, seed)
+                         for i, seed in batch] for batch in self.draws)
+        try:
+            yield from loader
+        finally:
+            feed.batches = None
+
+
+class _Feed(Sampler):
+    """The process's DataLoader's batches of _Seeded items: an epoch's, set by _Batches; None
+    between epochs."""
+    batches = None
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+_pool = None  # the process's DataLoader of file-based batches (_process_loader)
+
+
+def _process_loader(n):
+    """The process's DataLoader of _Seeded items in n worker processes (0: in this one), made at
+    its first file-based epoch and kept for every later epoch and pass: its workers start once,
+    which under spawn and forkserver (macOS, Windows, Linux from Python 3.14) costs a Python
+    and `import torch` a worker. Another n replaces it."""
+    global _pool
+    if _pool is None or _pool.num_workers != n:
+        end_workers()
+        _pool = DataLoader(_Seeded(), batch_sampler=_Feed(), num_workers=n,
+                           pin_memory=torch.cuda.is_available(), persistent_workers=n > 0,
+                           generator=torch.Generator())  # its base seed: not the run's
+    return _pool
+
+
+def end_workers():
+    """Ends the process's loader workers: at a run's end, on Ctrl-C or SIGTERM, after an error.
+    torch ends them when their DataLoader's iterator goes, which an error's traceback can hold
+    past the run: its shutdown, called here, ends them now."""
+    global _pool
+    if _pool is not None and _pool._iterator is not None:
+        _pool._iterator._shutdown_workers()
+    _pool = None
 
 
 # ---- The device-resident pipeline (in-memory sets): uint8 images on the device, each batch

@@ -2146,8 +2146,9 @@ def main(argv=None):
     """python janus_min.py [flags] (see --help): bad input and a diverged loss end in one line that
     says what to do (exit 2); Ctrl-C, SIGTERM and an output whose reader has gone (| head) in the
     command that continues (130, 143, 141), as does a file that cannot be written (exit 1);
-    anything else is a bug, and keeps its traceback. The folders it holds are released at its
-    end, and the signals' handlers restored unless a signal came (interrupt)."""
+    anything else is a bug, and keeps its traceback. At its end the folders it holds are
+    released, its loader workers ended, and the signals' handlers restored unless a signal came
+    (interrupt)."""
     cfg = None
     held = set(HELD)
     handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -2178,6 +2179,7 @@ def main(argv=None):
         return 128 + signum  # the shell's code of a process that a signal ended
     finally:
         release(set(HELD) - held)
+        data.end_workers()
         for s, handler in handlers.items():  # after a signal, those that follow stay ignored
             if signal.getsignal(s) is interrupt:
                 signal.signal(s, handler)

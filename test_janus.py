@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import re
@@ -399,12 +400,12 @@ def test_task_classes_and_the_synthetic_set():
     assert data.thin(a, None, 0) is a
 
 
-class _Noisy(torch.utils.data.Dataset):  # a random augmentation: items draw from torch's generator
-    def __len__(self):
-        return 12
+def _noise(image):  # a random augmentation: it draws from torch's generator
+    return torch.rand(3)
 
-    def __getitem__(self, i):
-        return torch.rand(3), i
+
+def _noisy():  # 12 blank images, labelled 0 to 11, made into noise
+    return data._Images(torch.zeros(12, 1, 1, 1, dtype=torch.uint8), range(12), _noise)
 
 
 def _pipeline(source, spec, device, batch_size=64, train=True, seed=0):  # the device pipeline
@@ -417,7 +418,7 @@ def test_loader_and_pipeline_draws_depend_on_the_seed_only(device):
     """Both loaders: draws from the seed alone, new each epoch; eval: the set's order, as it is."""
     epochs = {}
     for workers in (0, 2):
-        loader = data.make_loader(_Noisy(), 4, True, workers, seed=5)
+        loader = data.make_loader(_noisy(), 4, True, workers, seed=5)
         epochs[workers] = [[torch.cat([x, y[:, None].float()], 1) for x, y in loader]
                            for _ in range(2)]
     for a, b in zip(sum(epochs[0], []), sum(epochs[2], [])):  # whatever the workers
@@ -425,10 +426,10 @@ def test_loader_and_pipeline_draws_depend_on_the_seed_only(device):
     first, second = (torch.cat(e) for e in epochs[0])
     assert not torch.equal(first, second)  # each epoch: a new order and new draws
     assert sorted(first[:, 3].tolist()) == list(range(12))
-    x, y = next(iter(data.make_loader(_Noisy(), 12, True, 0, seed=6)))
+    x, y = next(iter(data.make_loader(_noisy(), 12, True, 0, seed=6)))
     assert not torch.equal(first, torch.cat([x, y[:, None].float()], 1))  # another seed's draws
     state = torch.get_rng_state()
-    list(data.make_loader(_Noisy(), 4, True, 0, seed=5))  # loading in the main process ...
+    list(data.make_loader(_noisy(), 4, True, 0, seed=5))  # loading in the main process ...
     assert torch.equal(state, torch.get_rng_state())  # ... leaves the run's generator alone
     src = np.random.default_rng(0).integers(0, 256, (30, 3, 12, 12), dtype=np.uint8)  # CIFAR's
     train, test = data.Batched(16, True, True, *MEAN_STD), data.Batched(16, False, False, *MEAN_STD)
@@ -636,7 +637,7 @@ def test_imagenet_r_split_tar_and_ready_layout(tmp_path):
     assert set(a.train.source).isdisjoint(a.test.source) and a.train[0][0].shape == (3, 32, 32)
     assert all(y == int(Path(p).parent.name[1:]) for p, y in zip(a.test.source, a.test.targets))
     assert isinstance(data.make_loader(a.train, 8, True, 0, seed=0, device="cpu"),
-                      torch.utils.data.DataLoader)  # files: the worker loader, always
+                      data._Batches)  # files: the workers' loader, always
     split_file = tmp_path / "imagenet-r_split.json"
     split = json.loads(split_file.read_text())
     assert sorted(split["train"] + split["test"]) == sorted(
@@ -763,29 +764,60 @@ def test_a_damaged_image_met_in_training_ends_the_run_in_one_line(tmp_path, work
     assert err.startswith(f"error: {cut} cannot be read (OSError: ") and err.count("\n") == 1, err
     assert err.endswith("replace it with an intact copy (fetch the data set again).\n"), err
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert not multiprocessing.active_children()  # the run's workers ended with it
 
 
 def test_file_loaders_give_the_same_batches_under_every_start_method(tmp_path, monkeypatch):
-    """Workers started by fork or spawn (as forkserver, Python 3.14's default on Linux) receive
-    plain data and make the main process's batches, crops and flips, epoch after epoch."""
+    """Workers started by fork or spawn (as forkserver, Python 3.14's default on Linux) make the
+    batches, crops and flips that _Draws and the images make here, epoch after epoch, for training
+    and evaluation loaders in turn; one set of workers serves them all, until end_workers. A pass
+    begun within another is refused."""
     paths = [str(tmp_path / f"{i}.png") for i in range(12)]
     for i, path in enumerate(paths):  # noise: each crop and flip shows
         Image.fromarray(np.random.default_rng(i).integers(0, 256, (12, 16, 3), np.uint8)).save(path)
-    crops = data._transforms("imagenet-r", 16, *MEAN_STD)[0][0]  # random crops and flips
-    images = data._Images(paths, list(range(12)), crops)  # label i: image i
+    (crops, resize), _ = data._transforms("imagenet-r", 16, *MEAN_STD)  # random, and fixed
+    train, test = (data._Images(paths, list(range(12)), tf) for tf in (crops, resize))  # label i
+    # (images, batch size, train, seed) of three loaders, used in turn, two epochs each
+    passes = [(data.subset(train, range(9)), 4, True, 3),  # a task's training
+              (data.subset(test, range(3, 12)), 5, False, 0),  # an evaluation
+              (train, 4, True, 4)]
 
-    def epochs(workers, start=None):  # two epochs of three batches
+    def made_here(ds, batch_size, shuffle, seed):  # two epochs: each image under its seed
+        draws, epochs = data._Draws(len(ds), shuffle, seed), []
+        for _ in range(2):
+            pairs, rows = list(draws), []
+            for i, s in pairs:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(s)
+                    x, y = ds[i]
+                rows.append(torch.cat([x.flatten(), torch.tensor([float(y)])]))
+            epochs.append([torch.stack(rows[k:k + batch_size])
+                           for k in range(0, len(rows), batch_size)])
+        return epochs
+    expected = [made_here(*p) for p in passes]
+    first, second = (torch.cat(e) for e in expected[0])
+    first, second = (t[t[:, -1].argsort()] for t in (first, second))  # each: image i in row i
+    assert not torch.equal(first, second)  # training: cropped anew each epoch
+    assert all(map(torch.equal, *expected[1]))  # evaluation: the same each epoch
+    for workers, start in ((0, None), (2, "fork"), (1, "spawn")):  # spawn: seconds a worker
+        data.end_workers()
         monkeypatch.setattr(data, "DataLoader", functools.partial(
             torch.utils.data.DataLoader, multiprocessing_context=start))
-        loader = data.make_loader(images, 4, True, workers, seed=3)
-        return [torch.cat([x.flatten(1), y[:, None]], 1) for _ in range(2) for x, y in loader]
-    alone = epochs(0)
-    first, second = (torch.cat(alone[e:e + 3]) for e in (0, 3))
-    first, second = (t[t[:, -1].argsort()] for t in (first, second))  # each: image i in row i
-    assert len(alone) == 6 and not torch.equal(first, second)  # the images cropped anew
-    for workers, start in ((2, "fork"), (1, "spawn")):  # spawn: seconds to start a worker
-        batches = epochs(workers, start)
-        assert len(batches) == 6 and all(map(torch.equal, alone, batches)), start
+        loaders = [data.make_loader(ds, size, shuffle, workers, seed)
+                   for ds, size, shuffle, seed in passes]
+        pids = set()  # the workers alive after each pass
+        for epoch in range(2):
+            for loader, made in zip(loaders, expected):
+                batches = [torch.cat([x.flatten(1), y[:, None]], 1) for x, y in loader]
+                assert len(batches) == len(made[epoch]), start
+                assert all(map(torch.equal, batches, made[epoch])), start
+                pids.add(frozenset(p.pid for p in multiprocessing.active_children()))
+        assert len(pids) == 1 and len(pids.pop()) == workers, start
+    with pytest.raises(RuntimeError, match="a pass over a file-based set began before"):
+        for _ in itertools.islice(loaders[0], 2):  # else, unrefused, each pass restarts the other
+            next(iter(loaders[1]))
+    data.end_workers()
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("download", [False, True])  # True: the download fails, offline
@@ -1160,10 +1192,8 @@ def test_dml_terms_direction_and_prototypes():
     assert torch.allclose(protos, expected, atol=1e-6)
 
 
-def _images(x, y):  # an in-memory data set as data.subset and the loaders take it
-    ds = torch.utils.data.TensorDataset(x, torch.as_tensor(y))
-    ds.targets = list(map(int, y))
-    return ds
+def _images(x, y):  # uint8 images (N, C, H, W) that the loaders give as floats in [0, 1]
+    return data._Images(x, y, torch.nn.Identity())
 
 
 class Identity(torch.nn.Module):  # a backbone: its feature is the image; its K/V input given
@@ -1185,7 +1215,8 @@ def test_metrics_and_evaluate_on_hand_built_cases():
     assert out["BWT"] == pytest.approx(((60 - 90) + (65 - 70)) / 2)
     D, tasks = 4, [[0, 1], [2, 3]]
     labels = [0, 1, 2, 3, 2, 3, 2, 3]  # task 1: 2 test samples, task 2: 6
-    splits = SimpleNamespace(test=_images(torch.eye(D)[labels].reshape(8, 1, 2, 2), labels))
+    one_hot = torch.eye(D, dtype=torch.uint8)[labels].reshape(8, 1, 2, 2) * 255  # 1.0 when read
+    splits = SimpleNamespace(test=_images(one_hot, labels))
     heads = torch.nn.ModuleList([torch.nn.Linear(D, 2, bias=False), torch.nn.Linear(D, 2)])
     with torch.no_grad():
         heads[0].weight.copy_(torch.eye(D)[:2])  # right, on its own classes
@@ -1382,11 +1413,12 @@ def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_m
     torch.manual_seed(9)
     model = vit.PRESETS["vit_tiny"](depth=2, img_size=32, patch_size=8).eval()
     factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
-    images, y = torch.rand(10, 3, 32, 32), torch.tensor([0, 1, 2, 3, 4] * 2)
+    images = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8)
+    y = torch.tensor([0, 1, 2, 3, 4] * 2)
     cfg = jm.Config(device="cpu", batch_size=4, workers=0, lora_scale=0.5)
     energy, z, z_y = jm.probe(model, factors, _images(images, y.tolist()), [3, 4], cfg)
     with torch.no_grad():
-        z_all, kv = model.encode(images)
+        z_all, kv = model.encode(images.float() / 255)
     current = y >= 3  # classes 3, 4: the current task
     assert torch.allclose(z, z_all[current], atol=1e-6) and torch.equal(z_y, y[current])
     for j, (A, B) in enumerate(factors):
@@ -1410,7 +1442,7 @@ def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_m
         model = Identity()
         model.kv = X[None]  # one "image" of 64 tokens, of a past class
         energy = jm.probe(model, [(layer.A.detach(), layer.B.detach())], _images(
-            torch.zeros(1, 1, 1, 1), [0]), [1], cfg)[0]
+            torch.zeros(1, 1, 1, 1, dtype=torch.uint8), [0]), [1], cfg)[0]
         past = float(energy[0, 0].sqrt())
         assert past == pytest.approx(expected, abs=1e-5 * float(dW.norm() * X.norm() / 8))
 
