@@ -1816,8 +1816,9 @@ def test_gpm_and_inflora_covariances_weigh_every_token_alike_over_a_short_last_b
     """kv_covariance over 10 images in batches of 4 (the last of 2): X^T X / n over every token,
     not a mean of the batches' covariances."""
     torch.manual_seed(5)
-    x = torch.randn(10, 3, 2, 2) + torch.arange(10.0)[:, None, None, None]  # batches unlike
-    X = x.flatten(2).mT.flatten(0, 1)  # the Identity backbone's K/V inputs, (40 tokens, 3)
+    x = 20 * torch.arange(10)[:, None, None, None] + torch.randint(0, 50, (10, 3, 2, 2))
+    x = x.to(torch.uint8)  # images unlike from batch to batch, as the loaders take them
+    X = (x / 255).flatten(2).mT.flatten(0, 1)  # the Identity backbone's K/V inputs, (40, 3)
     cfg = jm.Config(device="cpu", batch_size=4, workers=0)
     C = jm.kv_covariance(Identity(), _images(x, list(range(10))), cfg)
     assert C.shape == (1, 3, 3)
