@@ -1804,7 +1804,7 @@ def plot_output_change(ax, rows, done):
         ax.bar_label(bars, [fmt(c, ".2g") for c in changes], padding=2, fontsize=7)
     ax.set(yscale="log", xticks=range(len(done)), ylabel="RMS change of the K/V outputs")
     ax.set_xticklabels([row.replace("-", "-\n") for row in done], fontsize=8)
-    ax.set_title("Fig. 2 on real inputs: the test images\nof the past tasks (filled), of the\n"
+    ax.set_title("Fig. 2 on real inputs: the test\nimages of the past tasks (filled),\nof the "
                  "current task (hatched)", fontsize=9)
     ax.margins(y=0.2)  # room for the values above the bars
 
@@ -1875,7 +1875,7 @@ def plot_efficiency(fig, rows, done):
               ylabel="throughput (images / s)", title="throughput each epoch")
     speed.locator_params(axis="x", integer=True)
     fig.supxlabel("each the mean over a row's seeds; a task's time: its training and the "
-                  "method's own passes (OE's, GPM's), not its tests", fontsize=8)
+                  "method's own passes (OE's, GPM's), not its evaluation", fontsize=8)
 
 
 def nan(value):
