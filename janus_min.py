@@ -1801,12 +1801,13 @@ def plot_output_change(ax, rows, done):
         bars = ax.bar([i - 0.2, i + 0.2], [nan(c) for c in changes], 0.4,
                       color=row_style(i)["color"], edgecolor="k", lw=0.5)
         bars[1].set_hatch("//")
-        ax.bar_label(bars, [fmt(c, ".2g") for c in changes], padding=2, fontsize=7)
+        # Horizontal values would run into their neighbours' once a set has more than a few rows.
+        ax.bar_label(bars, [fmt(c, ".2g") for c in changes], padding=2, fontsize=7, rotation=90)
     ax.set(yscale="log", xticks=range(len(done)), ylabel="RMS change of the K/V outputs")
     ax.set_xticklabels([row.replace("-", "-\n") for row in done], fontsize=8)
     ax.set_title("Fig. 2 on real inputs: the test\nimages of the past tasks (filled),\nof the "
                  "current task (hatched)", fontsize=9)
-    ax.margins(y=0.2)  # room for the values above the bars
+    ax.margins(y=0.3)  # room for the values above the bars
 
 
 def plot_sweep(fig, rows, done):
