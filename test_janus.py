@@ -1519,8 +1519,10 @@ def test_each_benchmark_variant_takes_the_step_its_name_says_and_its_numbers_cou
     """Each variant's first step, taken again on a copy of its learner under the switches its name
     says, leaves the same factors, W0, V, memory and head, bit for bit; Janus-LoRA's two steps
     differ from one start. A clock that each step moves by a set time: ms/step is the median of
-    the variant's steps, x plain the median of the per-round ratios, images/s the batch over it."""
+    the variant's timed steps (not its warm-up's), x plain the median of the per-round ratios,
+    images/s the batch over it."""
     seconds = {"plain": [1, 1, 4], "janus-grad": [2, 3, 4], "janus-update": [3, 6, 2]}  # rounds
+    warm_up = 5  # the steps that benchmark takes with each variant before the timed rounds
     names, first, calls, clock = {}, {}, {}, [0.0]
     real = jm.train_step
 
@@ -1533,7 +1535,8 @@ def test_each_benchmark_variant_takes_the_step_its_name_says_and_its_numbers_cou
         if start:
             first[name] = start, _tensors(learner)
         calls[name] = calls.get(name, 0) + 1
-        clock[0] += seconds[name][(calls[name] - 1) % 3]  # the timed rounds take each time once
+        timed = calls[name] - warm_up  # the benchmark's warm-up steps come first, untimed
+        clock[0] += seconds[name][timed - 1] if timed > 0 else 1e3  # a timed warm-up shows
         return out
     argv = SMALL + ["--method", "finetune", "--benchmark", "--steps", "3", "--out", str(tmp_path)]
     with _small_world() as mp:
@@ -1543,6 +1546,7 @@ def test_each_benchmark_variant_takes_the_step_its_name_says_and_its_numbers_cou
         assert jm.main(argv) == 0
         cfg = jm.configure(argv)[0]
     report = json.loads((tmp_path / "benchmark.json").read_text())["variants"]
+    assert calls == {name: warm_up + 3 for name in seconds}  # --steps 3 timed rounds
     for name, times in seconds.items():
         ratios = [t / p for t, p in zip(times, seconds["plain"])]
         assert report[name]["ms_per_step"] == pytest.approx(1e3 * statistics.median(times))
@@ -1603,9 +1607,9 @@ def rare_run():
             "16", "--patch-size", "4", "--tasks", "2", "--epochs", "2", "--batch-size", "7",
             "--k", "24", "--lora-scale", "0.5", "--lr", "5e-3", "--workers", "0", "--device",
             "cpu"]
-    tick = {"start_task": 1, "train_step": 2, "end_task": 4, "evaluate": 1000,
+    tick = {"start_task": 1, "train_step": 11, "end_task": 4, "evaluate": 1000,
             "record_analyses": 10000}  # seconds each call takes on the clock
-    seen = {"steps": [], "tasks": [], "factors": []}
+    seen = {"steps": [], "tasks": [], "factors": [], "fresh": []}
     clock, real = [0.0], {name: getattr(jm, name) for name in (*tick, "rectify_gradients_")}
 
     def timed(name):
@@ -1623,6 +1627,13 @@ def rare_run():
         before = [(layer.A.detach().double(), layer.B.detach().double(), layer.M.double())
                   for layer in layers]
         V, t = learner.oe.V.double(), learner.oe.t
+        if t == 0:  # a task's first step: its fresh factors and basis, against the memory now
+            memory = [M.double() for M in learner.memory]
+            seen["fresh"].append(dict(
+                A_on_M=max(float((A @ M).norm() / A.norm()) for A, _, M in before),
+                B=max(float(B.abs().max()) for _, B, _ in before),
+                V_orthonormal=max(float((v.T @ v - torch.eye(v.shape[1])).abs().max()) for v in V),
+                V_on_M=max(float((M.T @ v).norm()) for v, M in zip(V, memory))))
         inputs, grads = {}, {}
         hooks = [layer.register_forward_hook(functools.partial(_keep, inputs, grads, j))
                  for j, layer in enumerate(layers)]
@@ -1737,6 +1748,16 @@ def test_each_update_on_the_rare_batches_of_a_run_is_its_definitions(rare_run):
         assert float(loss.detach()) == pytest.approx(float(_dml_direct(z[:len(y)], y, old, 0.1,
                                                                        0.07)))
         assert torch.isfinite(torch.autograd.grad(loss, z)[0]).all()
+
+
+def test_each_task_starts_from_fresh_factors_and_a_basis_off_the_memory_it_starts_with(rare_run):
+    """At each task's first step, A is off the memory as it stands after the last task's merge
+    (not as it stood before it), B is 0, and OE's V is orthonormal and off that memory: the draws
+    that the initial values' test checks alone, here where a run makes them."""
+    fresh = rare_run["fresh"]
+    assert len(fresh) == 2  # one a task
+    assert all(f["A_on_M"] < 1e-6 and f["B"] == 0 for f in fresh), fresh
+    assert all(f["V_orthonormal"] < 1e-5 and f["V_on_M"] < 1e-6 for f in fresh), fresh
 
 
 def test_a_runs_numbers_measure_the_images_and_the_time_they_name(rare_run):
