@@ -42,35 +42,37 @@ References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Cont
 ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024), on which the paper
 ran; GPM: Saha et al., ICLR 2021.
 """
-import argparse
-import collections
-import contextlib
-import copy
-import hashlib
-import importlib.metadata
-import json
-import math
-import os
-import re
-import shlex
 import signal
-import socket
-import statistics
-import subprocess
 import sys
-import time
-from dataclasses import asdict
-from dataclasses import dataclass
-from dataclasses import field
-from dataclasses import fields
-from dataclasses import replace
-from functools import partial
+# Seconds of imports, the standard library's first: a Ctrl-C in any of them, or a Python
+# without torch, ends in one line.
 try:
-    import fcntl  # POSIX's file locks (Linux, macOS): a live run's folder is held
-except ImportError:  # Windows: runs without the lock (README)
-    fcntl = None
+    import argparse
+    import collections
+    import contextlib
+    import copy
+    import hashlib
+    import importlib.metadata
+    import json
+    import math
+    import os
+    import re
+    import shlex
+    import socket
+    import statistics
+    import subprocess
+    import time
+    from dataclasses import asdict
+    from dataclasses import dataclass
+    from dataclasses import field
+    from dataclasses import fields
+    from dataclasses import replace
+    from functools import partial
+    try:
+        import fcntl  # POSIX's file locks (Linux, macOS): a live run's folder is held
+    except ImportError:  # Windows: runs without the lock (README)
+        fcntl = None
 
-try:  # seconds of imports: a Ctrl-C in them, or a Python without torch, ends in one line
     import torch
     import torch.nn.functional as F
     from torch import nn

@@ -2433,14 +2433,17 @@ def test_a_closed_output_a_failed_write_and_a_second_ctrl_c_end_in_the_line_that
 
 
 def test_a_python_without_torch_and_a_ctrl_c_in_the_imports_get_one_line(tmp_path):
-    """Outside the environment (python -S: no site-packages), and Ctrl-C while torch loads (as a
-    torch that raises it): one line each, no traceback, and exits 1 and 130."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    """Outside the environment (python -S: no site-packages), and Ctrl-C while torch loads or the
+    standard library's first module does (as modules that raise it): one line each, no traceback,
+    and exits 1 and 130."""
+    for file in ("late/torch/__init__.py", "early/argparse.py"):  # each folder on a PYTHONPATH
+        (tmp_path / file).parent.mkdir(parents=True)
+        (tmp_path / file).write_text("raise KeyboardInterrupt\n")
+    interrupted = "\ninterrupted (SIGINT) while starting: nothing was saved\n"
     for flags, env, code, said in (
             (["-S"], {}, 1, "error: No module named 'torch' in "),
-            ([], {"PYTHONPATH": str(tmp_path)}, 130, "\ninterrupted (SIGINT) while starting: "
-             "nothing was saved\n")):
+            ([], {"PYTHONPATH": str(tmp_path / "late")}, 130, interrupted),
+            ([], {"PYTHONPATH": str(tmp_path / "early")}, 130, interrupted)):
         done = subprocess.run([sys.executable, *flags, jm.__file__, "--help"], capture_output=True,
                               text=True, env={**os.environ, **env})
         assert done.returncode == code and done.stdout == "" and done.stderr.startswith(said)
