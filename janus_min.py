@@ -152,7 +152,8 @@ class Config:
     compile: str = _opt("auto", "the ViT's blocks compiled by torch.compile (ours); auto: on "
                         "for CUDA, off on a CPU (README: Speed)", choices=["auto", "on", "off"],
                         nargs="?", const="on")
-    workers: int = _opt(None, "loader processes of the file-based data sets (default: the cores)")
+    workers: int = _opt(None, "loader processes of the file-based data sets (default, and most: "
+                        "the cores)")
     out: str = _opt(None, "output folder (default: runs/<dataset>-<time>)")
     resume: str = _opt(None, "continue the run in this folder after its last finished task")
     # The other modes.
@@ -989,7 +990,7 @@ def configure(argv):
     gpm = (0.98, 1.0) if cfg.dataset == "imagenet-r" else (0.95, 1.0)  # InfLoRA's configs
     cfg = replace(cfg, **defaults, device=device, seeds=list(cfg.seeds),
                   gpm_threshold=list(cfg.gpm_threshold or gpm),
-                  workers=(os.cpu_count() or 1) if cfg.workers is None else cfg.workers,
+                  workers=min(cfg.workers if cfg.workers is not None else cores(), cores()),
                   **absolute_paths(cfg))
     check(cfg, typed)
     notes(cfg, typed)
@@ -1074,11 +1075,19 @@ def notes(cfg, typed):
         moot |= set.intersection(*[set(parse(flags.split())[1]) for flags in chosen]) & set(typed)
     if moot:
         print(f"note: {' '.join(map(flag, sorted(moot)))}: no effect with these settings, ignored")
+    if typed.get("workers", 0) > cores() and "workers" not in moot:
+        print(f"note: --workers {typed['workers']}: this machine has {cores()} cores, which more "
+              f"loader processes would only share (each holds torch in memory): {cores()} used")
     width = vit.PRESETS[cfg.model].keywords["embed_dim"]
     full = math.ceil(width / cfg.k)  # the tasks after which each block's memory is full
     if cfg.oe and cfg.memory == "oe" and full < cfg.tasks and not cfg.benchmark:
         print(f"note: --k {cfg.k} fills each block's memory ({cfg.model}: width {width}) after "
               f"task {full} of {cfg.tasks}: the later tasks cannot change K and V")
+
+
+def cores():
+    """The cores this process may use: the default and the most of --workers."""
+    return os.cpu_count() or 1
 
 
 def shown(values, names):

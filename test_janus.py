@@ -2371,10 +2371,16 @@ def test_imagenet_r_names_a_class_too_small_keeps_a_whole_split_and_notes_images
 
 
 def test_ignored_workers_a_safetensors_file_and_a_failed_start_get_their_line(tmp_path, capsys):
-    """--workers on in-memory data gets the note of an ignored flag; a safetensors file, what to
-    do with it; a start without data (offline) leaves no --data-dir behind."""
-    jm.configure(_without(TINY, "--workers") + ["--workers", "99999999999999999999"])
+    """--workers on in-memory data gets the note of an ignored flag, on files more than the cores
+    a note and the cores (more would only share them, and fill the memory); a safetensors file,
+    what to do with it; a start without data (offline) leaves no --data-dir behind."""
+    many = _without(TINY, "--workers") + ["--workers", "99999999999999999999"]
+    jm.configure(many)
     assert capsys.readouterr().out == "note: --workers: no effect with these settings, ignored\n"
+    files = _without(_without(many, "--dataset"), "--tasks") + ["--dataset", "imagenet-r"]
+    assert jm.configure(files)[0].workers == os.cpu_count()
+    assert capsys.readouterr().out.startswith("note: --workers 99999999999999999999: this machine")
+    assert jm.configure(_without(files, "--workers"))[0].workers == os.cpu_count()  # the default
     header = json.dumps({"cls_token": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})
     path = tmp_path / "w.safetensors"
     path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + bytes(4))
