@@ -1048,8 +1048,11 @@ def check(cfg, typed):
     ]
     for name, ok, fix in checks:
         said = f"{' '.join(to_argv({name: getattr(cfg, name)}))}: {fix}"  # as typed: --seeds 1 1
-        if not ok and cfg.resume and name not in (*typed, *RESUME_FREE):  # the run's own value
-            raise unwritten(cfg.resume, "config.json", said)
+        if not ok and cfg.resume and name not in typed:  # the run's own value, config.json's
+            if name not in RESUME_FREE:
+                raise unwritten(cfg.resume, "config.json", said)
+            said += (f" (config.json's value, which a resume may change: --resume {q(cfg.resume)} "
+                     f"{flag(name)} VALUE)")
         if not ok:
             raise ConfigError(said)
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides them

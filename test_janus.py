@@ -2205,6 +2205,9 @@ ADVICE = {  # id: (how the finished TINY run's folder was edited, the flags of t
                                                                         "checkpoint.pt")]],
                        [], f"config.json {NOT_WRITTEN} (--lr -1: must be positive): restore it, or "
                        "start the run again with another --out"),
+    "config-free": ([_edit("config.json", lambda c: _set(c, ["config", "workers"], -1))], [],
+                    "--workers -1: must be 0 or more (config.json's value, which a resume may "
+                    "change: --resume "),
     "typed": ([], ["--lr", "5e-4"], "--resume continues the run with its own --lr 0.005: for --lr "
               "0.0005, start a new run in a new folder"),
     "results-foreign": ([_edit("results.json", lambda r: _set(r, ["config", "k"], 16))], [],
@@ -2230,6 +2233,8 @@ def _follow(line, folder, aside):  # does what a refusal's line advises, never "
         shutil.move(folder / stray[1], aside)
     elif "move it out of the folder" in line:
         shutil.move(named, aside)
+    elif change := re.search(r"a resume may change: (.*) VALUE\)$", line):
+        argv = shlex.split(change[1]) + ["0"]  # --workers 0, the flag that the case edits
     elif "delete it" in line:
         named.unlink()
     else:  # a new run: the run's flags as typed, and those the line names, into another folder
