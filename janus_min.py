@@ -1280,7 +1280,8 @@ def release(keys):
 
 def load_data_and_model(cfg):
     """The splits in the input range asked for, the backbone and its weights' path; if both the
-    data and the weights are missing, one line says so."""
+    data and the weights are missing, one line says so, and on a resume how to continue with them
+    where they lie now."""
     kind = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else cfg.input_range
     mean_std = vit.MEAN_STD.get(kind, (0.0, 1.0))  # unit: ToTensor's [0, 1] as it is
     try:
@@ -1289,9 +1290,19 @@ def load_data_and_model(cfg):
         try:
             build_model(cfg)  # the weights too, so that one line names all that is missing
         except vit.CheckpointError as also:
-            raise data.DataError(f"{e} And: {also}") from None
-        raise
-    return (splits, *build_model(cfg))
+            raise data.DataError(f"{e} And: {also}{moved(cfg, 'data_dir', 'weights')}") from None
+        raise data.DataError(f"{e}{moved(cfg, 'data_dir')}") from None
+    try:
+        return (splits, *build_model(cfg))
+    except vit.CheckpointError as e:
+        raise vit.CheckpointError(f"{e}{moved(cfg, 'weights')}") from None
+
+
+def moved(cfg, *names):
+    """On a resume, the end of a line that cannot find the run's data or weights: the command that
+    continues the run with them where they lie now."""
+    paths = [word for name in names for word in (flag(name), "PATH")]
+    return f" If they moved: {command(['--resume', cfg.resume, *paths])}" if cfg.resume else ""
 
 
 def backbone_file(weights):

@@ -2322,7 +2322,7 @@ def test_a_folder_holds_one_kind_and_every_command_refuses_another_kind(
 def test_moved_data_and_weights_resume_and_the_code_of_each_seed_is_kept(
         tiny_run, tmp_path, capsys, monkeypatch, no_plots):
     """A resume takes --data-dir and --weights where they lie now (a weights file is checked as
-    before, by its content); a code edited between an interruption and the resume is kept beside
+    before, by its content), as the line that cannot find them says; a code edited between an interruption and the resume is kept beside
     the earlier one in the seed's entry."""
     weights = tmp_path / "vit.pt"
     torch.save(vit.PRESETS["vit_tiny"](img_size=32, patch_size=8).state_dict(), weights)
@@ -2334,12 +2334,14 @@ def test_moved_data_and_weights_resume_and_the_code_of_each_seed_is_kept(
         "path": str(weights), "sha256": jm.sha256(weights)}})(folder)
     moved = weights.rename(tmp_path / "moved.pt")
     assert jm.main(["--resume", str(folder)]) == 2
-    assert capsys.readouterr().err.endswith(f"--weights {weights} is neither a known name (in21k, "
-                                            "sam, dino, none) nor a file; pass another file with "
-                                            "--weights PATH.\n")
+    line, then = capsys.readouterr().err.split(" If they moved: ")
+    assert line == (f"error: --weights {weights} is neither a known name (in21k, sam, dino, none) "
+                    "nor a file; pass another file with --weights PATH.")
+    assert then == f"python janus_min.py --resume {folder} --weights PATH\n"
     code = jm.code_version()
     monkeypatch.setattr(jm, "code_version", lambda: {"sha256": "0" * 64, "git": "edited"})
-    assert jm.main(["--resume", str(folder), "--weights", str(moved), "--data-dir", "d"]) == 0
+    argv = shlex.split(then.replace("PATH", str(moved)))[2:]  # as printed, with the file's path
+    assert jm.main(argv + ["--data-dir", "d"]) == 0
     config = json.loads((folder / "config.json").read_text())["config"]
     assert (config["weights"], config["data_dir"]) == (str(moved), os.path.abspath("d"))
     res = _results(folder)
