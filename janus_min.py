@@ -1160,8 +1160,8 @@ def take(out, first, config=None):
     """The folder --out for a command whose first file is `first`: held (hold) and claimed
     (claim), or refused in one line."""
     if holder := hold(out):
-        raise ConfigError(f"{q(out)} is in use by {holder}, a live run: wait for it to end, "
-                          "or choose another --out")
+        raise ConfigError(f"{q(out)} is in use by {holder}, which still runs: wait for it to "
+                          "end, or choose another --out")
     claim(out, first, config)
 
 
@@ -1354,9 +1354,12 @@ def previous(cfg, backbone):
     if os.path.exists(os.path.join(cfg.out, "checkpoint.pt")):
         state = read_run_file(cfg.out, "checkpoint.pt", cfg.device)
     if state and (state["backbone"] or {}).get("sha256") != (backbone or {}).get("sha256"):
+        theirs, ours = (f"{b['path']} (SHA-256 {b['sha256'][:16]}...)" if b else
+                        "no file (random weights, or a named checkpoint)"
+                        for b in (state["backbone"], backbone))
         raise ConfigError(f"{q(os.path.join(cfg.out, 'checkpoint.pt'))}: the run started from the "
-                          f"backbone {state['backbone']}, not {backbone}: pass that file with "
-                          f"--resume {q(cfg.out)} --weights PATH to continue it")
+                          f"backbone {theirs}, not {ours}: pass that file with --resume "
+                          f"{q(cfg.out)} --weights PATH to continue it")
     config = read_run_file(cfg.out, "config.json")
     write_json(os.path.join(cfg.out, "config.json"), {**config, "config": asdict(cfg)})
     return runs, state

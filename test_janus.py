@@ -2095,7 +2095,9 @@ def test_a_resume_refuses_damaged_files_a_foreign_checkpoint_and_another_backbon
     sd = torch.load(weights, weights_only=True)
     torch.save({**sd, "head.weight": torch.zeros(3, 192)}, weights)  # another file of that name
     assert jm.main(["--resume", str(tmp_path / "w")]) == 2
-    assert "the run started from the backbone" in capsys.readouterr().err
+    theirs, ours = hashlib.sha256(original).hexdigest()[:16], jm.sha256(weights)[:16]
+    assert (f"the run started from the backbone {weights} (SHA-256 {theirs}...), not {weights} "
+            f"(SHA-256 {ours}...): pass that file") in capsys.readouterr().err
     other = vit.PRESETS["vit_tiny"](img_size=32, patch_size=8)  # other numbers, the same size
     other.cls_token.data += 1
     torch.save(other.state_dict(), weights)
@@ -2478,8 +2480,8 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_a_live_runs_folder_is_refused(
     monkeypatch.chdir(tmp_path)
     assert jm.main(SHORT + ["--out=-x"]) == 2
     assert capsys.readouterr().err == (f"error: ./-x is in use by pid {run.pid} on "
-                                       f"{socket.gethostname()}, a live run: wait for it to end, "
-                                       "or choose another --out\n")
+                                       f"{socket.gethostname()}, which still runs: wait for it to "
+                                       "end, or choose another --out\n")
     run.send_signal(signal.SIGTERM)
     run.send_signal(signal.SIGCONT)
     line = run.communicate()[1].splitlines()[-1]
