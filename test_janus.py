@@ -2324,8 +2324,8 @@ def test_a_folder_holds_one_kind_and_every_command_refuses_another_kind(
 def test_moved_data_and_weights_resume_and_the_code_of_each_seed_is_kept(
         tiny_run, tmp_path, capsys, monkeypatch, no_plots):
     """A resume takes --data-dir and --weights where they lie now (a weights file is checked as
-    before, by its content), as the line that cannot find them says; a code edited between an interruption and the resume is kept beside
-    the earlier one in the seed's entry."""
+    before, by its content), as the line that cannot find them says; a code edited between an
+    interruption and the resume is kept beside the earlier one in the seed's entry."""
     weights = tmp_path / "vit.pt"
     torch.save(vit.PRESETS["vit_tiny"](img_size=32, patch_size=8).state_dict(), weights)
     folder = tmp_path / "run"  # the TINY run as if from that file, interrupted after its last task
