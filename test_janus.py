@@ -2736,7 +2736,7 @@ def watched(tmp_path_factory):  # four small runs: Janus-LoRA, InfLoRA, fine-tun
                                 "--gpm-threshold", "0.9", "0.99"],
             "finetune": SMALL + ["--method", "finetune"],
             "flags": OTHER_FLAGS + ["--data-dir", str(tmp / "data"), "--weights", str(weights),
-                                    "--workers", str(os.cpu_count() + 1)]}
+                                    "--workers", str(os.cpu_count() - 1)]}  # below the cores
     return {name: _watch(argv + ["--out", str(tmp / name)]) for name, argv in runs.items()}
 
 
@@ -2905,7 +2905,7 @@ FLAG_ROWS = {  # field: (the watched run or the command that sets it, what shows
     "compile": (SMALL + ["--compile"], lambda argv: _compiled_blocks(argv) == [True] * 12
                 and _compiled_blocks(SMALL) == [False] * 12 and jm.compiled(dataclasses.replace(
                     jm.configure(SMALL)[0], device="cuda"))),  # auto: on for CUDA only
-    "workers": ("flags", lambda r: {args[2] for args in r["loaders"]} == {os.cpu_count() + 1}),
+    "workers": ("flags", lambda r: {args[2] for args in r["loaders"]} == {os.cpu_count() - 1}),
     "out": ("flags", lambda r: r["res"]["config"]["out"] == str(r["out"])),
     "resume": (["--resume", "{flags}"], lambda argv: jm.differ(
         _config(Path(argv[1])), jm.configure(argv)[0]) == ""),
