@@ -317,7 +317,7 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, download=True):
             raise DataError(f"--data-dir {root} is a file: pass the folder that holds {name}, or "
                             "is to receive it.")
         fix = f"put {source} there and pass --data-dir {shlex.quote(str(root))}"
-        made = not root.exists()
+        made = [folder for folder in (root, *root.parents) if not folder.exists()]  # deepest first
         try:
             with _reading(f"{name} in {root}", fix):
                 (train, train_y), (test, test_y) = loader(root, download)
@@ -327,9 +327,9 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, download=True):
                     raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
                                      f"classes, not {classes}: incomplete, or another data set")
         except DataError:
-            if made:  # by a download that failed: it goes, if empty
+            for folder in made:  # by a download that failed: each goes, if empty
                 with suppress(OSError):
-                    root.rmdir()
+                    folder.rmdir()
             raise
     (train_tf, test_tf), (train_b, test_b) = _transforms(name, img_size, mean, std)
     return Splits(_Images(train, train_y, train_tf, train_b),

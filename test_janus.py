@@ -2398,7 +2398,8 @@ def test_ignored_workers_a_safetensors_file_and_a_failed_start_get_their_line(tm
                        rf"--weights {path}.pth$"):
         vit.load_pretrained(vit.PRESETS["vit_tiny"](), path)
     cifar = _without(_without(TINY, "--dataset"), "--tasks") + ["--dataset", "cifar100"]
-    assert jm.main(cifar + ["--data-dir", str(tmp_path / "d"), "--out", str(tmp_path / "r")]) == 2
+    nested = tmp_path / "d" / "e" / "f"  # three folders a download would have made
+    assert jm.main(cifar + ["--data-dir", str(nested), "--out", str(tmp_path / "r")]) == 2
     assert "cifar100 in" in capsys.readouterr().err and sorted(os.listdir(tmp_path)) == [path.name]
 
 
