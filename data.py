@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, Subset
 from torchvision import transforms as T

@@ -650,7 +650,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
     for epoch in range(cfg.epochs):
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
-        start = shown = time.time()
+        start = printed_at = time.time()  # the epoch's start, and its last progress line's
         loss_sum, correct, seen = 0.0, 0, 0
         for i, (x, y) in enumerate(loader, 1):
             x, y = x.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
@@ -658,13 +658,13 @@ def train_task(learner, t, tasks, splits, cfg, seed):
             loss_sum = loss_sum + loss * len(y)  # tensors, read once an epoch
             correct = correct + right
             seen += len(y)
-            if time.time() - shown > 30:
-                shown = time.time()
+            if time.time() - printed_at > 30:
+                printed_at = time.time()
                 print(f"seed {seed} task {t + 1} epoch {epoch + 1}: {i}/{len(loader)} steps, loss "
                       f"{float(loss_sum) / seen:.4f}", flush=True)
                 if pending:  # 30 s into a long first epoch: a ViT-B on a CPU takes days
                     pending = False
-                    print(estimate(seen / (shown - start), splits, cfg), flush=True)
+                    print(estimate(seen / (printed_at - start), splits, cfg), flush=True)
         loss = float(loss_sum) / seen
         if not math.isfinite(loss):  # a diverged run must not go on to write results
             raise Diverged(f"task {t + 1} epoch {epoch + 1}: the loss is {loss}; lower --lr and "
@@ -939,8 +939,8 @@ def parser():
             kw["help"] += " (default: on)"
         elif f.type is not bool:
             kw.setdefault("type", f.type)
-            shown = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-            kw["help"] += "" if f.default is None else f" (default: {shown})"
+            default = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+            kw["help"] += "" if f.default is None else f" (default: {default})"
         p.add_argument(flag(f.name), **kw)
     return p
 
@@ -990,7 +990,7 @@ def configure(argv):
     gpm = (0.98, 1.0) if cfg.dataset == "imagenet-r" else (0.95, 1.0)  # InfLoRA's configs
     cfg = replace(cfg, **defaults, device=device, seeds=list(cfg.seeds),
                   gpm_threshold=list(cfg.gpm_threshold or gpm),
-                  workers=min(cfg.workers if cfg.workers is not None else cores(), cores()),
+                  workers=cores() if cfg.workers is None else min(cfg.workers, cores()),
                   **absolute_paths(cfg))
     check(cfg, typed)
     notes(cfg, typed)
@@ -1144,8 +1144,8 @@ def run(cfg, typed):
         write_json(os.path.join(cfg.out, "results.json"), {**results, "summary": summarize(runs)})
     results["summary"] = summarize(runs)
     print_summary(results)
-    written = [os.path.join(cfg.out, "results.json"), *plot(results, cfg.out)]
-    print(f"wrote {' '.join(map(q, written))}")
+    paths = [os.path.join(cfg.out, "results.json"), *plot(results, cfg.out)]
+    print(f"wrote {' '.join(map(q, paths))}")
     print(f"done in {duration(time.time() - started)}")
     return 0
 
@@ -2092,9 +2092,9 @@ def write_set(cfg, out, rows):
     done = {row: read_run_file(os.path.join(out, row), "results.json") for row in rows
             if os.path.exists(os.path.join(out, row, "results.json"))}  # once a seed finished
     missing = [row for row in rows if row not in done]
-    written = [write_table(cfg, out, rows, done, missing), *plot_set(cfg, out, rows, done, missing)]
+    paths = [write_table(cfg, out, rows, done, missing), *plot_set(cfg, out, rows, done, missing)]
     left_out = f" (rows not finished, left out: {', '.join(missing)})" if missing else ""
-    print(f"wrote {' '.join(map(q, written))}{left_out}")
+    print(f"wrote {' '.join(map(q, paths))}{left_out}")
 
 
 # What table.md's columns measure, below it.
