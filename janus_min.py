@@ -77,13 +77,13 @@ except ImportError:  # Windows: runs without the lock
 
 def checked(kind, ok, what):
     """A flag's type: kind(text), refused in argparse's one line unless finite and ok."""
-    def parse(text):
+    def convert(text):
         value = kind(text)
         if not (math.isfinite(value) and ok(value)):
             raise argparse.ArgumentTypeError(f"{text}: must be {what}")
         return value
-    parse.__name__ = kind.__name__  # argparse's "invalid int value: '1.5'"
-    return parse
+    convert.__name__ = kind.__name__  # argparse's "invalid int value: '1.5'"
+    return convert
 
 
 POSITIVE = checked(float, lambda v: v > 0, "a positive number")
