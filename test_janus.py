@@ -138,8 +138,8 @@ def _torch(edit, layout="timm", **kwargs):  # torch.save(edit(a copy of a small 
     return lambda small, path: torch.save(edit(dict(small[layout])), path, **kwargs)
 
 
-GOOD = {  # id: (how to write the file, w.npz if the id says npz, else w; its container, key
-    # layout, and the keys it ignores)
+GOOD = {  # id: (how to write the file, w.npz if the id starts with npz, else w; its container,
+    # key layout, and the keys it ignores)
     "npz": (_bytes(bytes, "npz"), "npz", "npz",
             "head/bias, head/kernel, pre_logits/bias, pre_logits/kernel"),
     "model-wrapper": (_torch(lambda sd: {"model": sd, "epoch": 3}), "torch", "timm",
@@ -154,7 +154,7 @@ def test_every_format_loads_the_same_weights(small, tmp_path, case):
     """Each container and key layout (plain, in a wrapper) fills all 38 tensors: torchvision's
     features within 1e-5."""
     write, container, layout, ignored = GOOD[case]
-    write(small, w := tmp_path / ("w.npz" if "npz" in case else "w"))
+    write(small, w := tmp_path / ("w.npz" if case.startswith("npz") else "w"))
     model = vit.PRESETS["vit_tiny"](depth=2)
     assert load(model, w).endswith(f"{w.name}: {container} file, {layout} key layout, 38 tensors "
                                    f"loaded, ignored checkpoint keys: {ignored}\n")
@@ -170,8 +170,7 @@ def test_vit_b16_matches_torchvision(tmp_path):
     write_npz(tv, tmp_path / "w.npz")
     assert ", 198 tensors loaded, " in load(model, tmp_path / "w.npz")
     tv.heads = torch.nn.Identity()
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in tv.parameters())
-    assert sum(p.numel() for p in model.parameters()) == 85_798_656
+    assert [sum(p.numel() for p in m.parameters()) for m in (model, tv)] == [85_798_656] * 2
     assert (features(model, x) - features(tv, x)).abs().max() <= 1e-4
 
 
@@ -191,8 +190,7 @@ def test_a_kv_layer_with_parameters_of_its_own_loads(small):
     model = vit.PRESETS["vit_tiny"](depth=2, kv_layer=LoRAish)
     plain = vit.PRESETS["vit_tiny"](depth=2)
     layers = [layer for block in model.blocks for layer in block.attn.values()]  # q, proj, k, v
-    assert [type(layer).__name__ for layer in layers] == ["Linear", "Linear", "LoRAish",
-                                                          "LoRAish"] * 2
+    assert [type(layer) for layer in layers] == ([torch.nn.Linear] * 2 + [LoRAish] * 2) * 2
     kv = [layer for layer in layers if isinstance(layer, LoRAish)]  # block 0's K, V; block 1's
     own = [layer.A.clone() for layer in kv]
     load(model, small["paths"]["npz"])
@@ -226,18 +224,19 @@ def test_seeded_construction_draws_in_the_documented_order():
     for i in range(2):
         for name, shape in [("attn.q", (d, d)), ("attn.proj", (d, d)), ("attn.k", (d, d)),
                             ("attn.v", (d, d)), ("mlp.fc1", (d, 4 * d)), ("mlp.fc2", (4 * d, d))]:
-            expected |= {f"blocks.{i}.{name}.{k}": t for k, t in nn.Linear(*shape).named_parameters()}
+            for k, v in nn.Linear(*shape).named_parameters():  # weight, then bias
+                expected[f"blocks.{i}.{name}.{k}"] = v
     assert torch.equal(torch.get_rng_state(), after)
     assert all(torch.equal(sd[k], v) for k, v in expected.items())
 
 
 READ = r"^/\S+/w(\.npz)? is not a checkpoint \(\w+: .{9,99}\); "  # the reader's first sentence
 BAD = {  # id: (how to write the file, named as in GOOD; what the error says before "pass another
-    # file with --weights PATH."[, preset, depth, source: vit_tiny, 2, the file])
+    # file with --weights PATH."[, keywords for the 2-block ViT-Ti[, the source, if not the file]])
     "wider": (_torch(dict), r"width 384, 2 blocks\): shape mismatches, checkpoint vs model \(38\): "
-              r"cls_token \(1, 1, 192\) vs cls_token \(1, 1, 384\), ", "vit_small", 2),
+              r"cls_token \(1, 1, 192\) vs cls_token \(1, 1, 384\), ", dict(embed_dim=384)),
     "npz-deeper": (_bytes(bytes, "npz"), r"\(npz layout\).*: missing keys \(16\): "
-                   r"Transformer/encoderblock_2/", "vit_tiny", 3),
+                   r"Transformer/encoderblock_2/", dict(depth=3)),
     "no-vit": (_torch(lambda sd: {"foo": torch.zeros(2)}), r"\(ours layout\).*missing keys "  # ours
                r"\(38\): cls_token, .*; unexpected keys \(1\): foo; "),  # first: in our names
     "no-dict": (_torch(lambda sd: list(sd.values())), r"\): missing keys \(38\): [^;]*; "),
@@ -251,16 +250,18 @@ BAD = {  # id: (how to write the file, named as in GOOD; what the error says bef
     "absent": (lambda small, path: None, r"^--weights /\S+/w is neither a known name \(in21k, "
                r"sam, dino, none\) nor a file; "),
     "dino-width": (lambda small, path: None, r"^no 'dino' weights for a ViT of width 192, patch "
-                   "16; use a matching preset, or ", "vit_tiny", 2, "dino")}
+                   "16; use a matching preset, or ", {}, "dino"),
+    "in21k-patch": (lambda small, path: None, r"^no 'in21k' weights for a ViT of width 192, patch "
+                    "8; ", dict(patch_size=8), "in21k")}
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_checkpoints_fail_with_a_named_problem(small, tmp_path, case):
     """Each bad file or source: one CheckpointError line that names the problem and what to do;
     the model untouched."""
-    write, pattern, preset, depth, source = BAD[case] + ("vit_tiny", 2, None)[len(BAD[case]) - 2:]
+    write, pattern, keywords, source = BAD[case] + ({}, None)[len(BAD[case]) - 2:]
     write(small, w := tmp_path / ("w.npz" if case.startswith("npz") else "w"))
-    model = vit.PRESETS[preset](depth=depth)
+    model = vit.PRESETS["vit_tiny"](**{"depth": 2, **keywords})
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(vit.CheckpointError, match=pattern + ".*pass another file with --weights "
                        r"PATH\.$") as e:

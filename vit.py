@@ -103,7 +103,7 @@ PRESETS = {name: functools.partial(VisionTransformer, embed_dim=width, num_heads
 # ignored, the classifier's. Not fc_norm: trained on pooled tokens, it has no `norm` for our class
 # token, so a checkpoint with it must fail.
 _RENAMES = {
-    "ours": [],  # first: a file of no layout fails with this ViT's own names as missing
+    "ours": [],  # first, max()'s pick for a file of no layout: its missing keys in our names
     "timm": [(r"^patch_embed\.", "patch_embed.proj."), (r"attn\.[qkv]\.", "attn.qkv.")],
     "npz": [(r"^cls_token$", "cls"), (r"^pos_embed$", "Transformer/posembed_input/pos_embedding"),
             (r"^patch_embed\.", "embedding."), (r"^norm\.", "Transformer/encoder_norm."),
