@@ -89,7 +89,8 @@ class VisionTransformer(nn.Module):
             kv_inputs.append(h)
         return self.norm(x[:, 0]), kv_inputs  # LayerNorm is per token: the class token's suffices
 
-    def forward(self, images):  # (B, 3, H, W) -> z (B, D)
+    def forward(self, images):
+        """images (B, 3, H, W) -> z (B, D)."""
         return self.encode(images)[0]
 
 
@@ -102,6 +103,8 @@ PRESETS = {name: functools.partial(VisionTransformer, embed_dim=width, num_heads
 # ignored, the classifier's. Not fc_norm: trained on pooled tokens, it has no `norm` for our class
 # token, so a checkpoint with it must fail.
 _RENAMES = {
+    "ours": [],  # first, max()'s pick for a file of no layout: its missing keys in our names
+    "timm": [(r"^patch_embed\.", "patch_embed.proj."), (r"attn\.[qkv]\.", "attn.qkv.")],
     "npz": [(r"^cls_token$", "cls"), (r"^pos_embed$", "Transformer/posembed_input/pos_embedding"),
             (r"^patch_embed\.", "embedding."), (r"^norm\.", "Transformer/encoder_norm."),
             (r"^blocks\.(\d+)\.", r"Transformer/encoderblock_\1/"), (r"norm1", "LayerNorm_0"),
@@ -109,17 +112,15 @@ _RENAMES = {
             (r"mlp\.fc2", "MlpBlock_3/Dense_1"), (r"attn\.", "MultiHeadDotProductAttention_1/"),
             (r"/q\.", "/query."), (r"/k\.", "/key."), (r"/v\.", "/value."), (r"/proj\.", "/out."),
             (r"(norm|LayerNorm_\d)\.weight$", r"\1/scale"),  # a LayerNorm weight is 'scale',
-            (r"\.weight$", "/kernel"), (r"\.bias$", "/bias")],  # a conv or dense weight 'kernel'
-    "timm": [(r"^patch_embed\.", "patch_embed.proj."), (r"attn\.[qkv]\.", "attn.qkv.")],
-    "ours": []}
+            (r"\.weight$", "/kernel"), (r"\.bias$", "/bias")]}  # a conv or dense weight 'kernel'
 _TRANSFORMS = {
+    "ours": [],
+    "timm": [(rf"attn\.{n}\.", lambda t, j=j: t.chunk(3)[j]) for j, n in enumerate("qkv")],
     "npz": [(r"patch_embed\.weight", lambda t: t.movedim((-1, -2), (0, 1))),  # HWIO -> (D, C, p, p)
             # a q/k/v kernel (D, heads, D/heads) or a dense kernel (in, out) -> (out, in)
             (r"attn\.[qkv]\.weight|mlp\.fc\d\.weight", lambda t: t.reshape(t.shape[0], -1).T),
             (r"attn\.[qkv]\.bias", torch.flatten),  # (heads, D/heads) -> (D,)
-            (r"attn\.proj\.weight", lambda t: t.reshape(-1, t.shape[-1]).T)],  # (heads, D/h, D)
-    "timm": [(rf"attn\.{n}\.", lambda t, j=j: t.chunk(3)[j]) for j, n in enumerate("qkv")],
-    "ours": []}
+            (r"attn\.proj\.weight", lambda t: t.reshape(-1, t.shape[-1]).T)]}  # (heads, D/h, D)
 _IGNORED = r"^(head|pre_logits)[./]"  # the classifier and its pre-logits layer, if any
 _OWN = ("weight", "bias", "cls_token", "pos_embed")  # the ViT's tensors; a K/V layer may add more
 _ELSE = "pass another file with --weights PATH."
@@ -127,8 +128,9 @@ _ELSE = "pass another file with --weights PATH."
 
 def load_pretrained(model, source="in21k"):
     """Fill the ViT's own tensors (_OWN; not those a replaced K/V layer adds) from `source`, a name
-    in URLS, 'none' or a file, strictly (_fit); print one line of what was loaded. Returns the
-    file's path (None for 'none')."""
+    in URLS, 'none' or a file, in the key layout that names the most of them, strictly: each filled
+    at its exact shape, each checkpoint key used or ignored, each value finite, or a CheckpointError
+    naming the keys. Prints one line of what was loaded; returns the file's path (or None)."""
     if source == "none":
         print("[vit] --weights none: the backbone keeps its random initialisation")
         return None
@@ -137,30 +139,13 @@ def load_pretrained(model, source="in21k"):
                               "none) nor a file; " + _ELSE)
     path = _download(model, source) if source in URLS else os.fspath(source)
     sd, container = _read(path)
-    ready, note = _fit(model, sd, path)
-    model.load_state_dict(ready, strict=False)  # not strict: a K/V layer's own tensors stay
-    print(f"[vit] {path}: {container} file, {note}")
-    return path
-
-
-def _fit(model, sd, path):
-    """({model key: checkpoint tensor in our layout}, a log note), in the key layout that names the
-    most model tensors: each filled at its exact shape, each checkpoint key used or ignored, each
-    value finite; or a CheckpointError naming the keys."""
     want = {k: v.shape for k, v in model.state_dict().items() if k.rsplit(".", 1)[-1] in _OWN}
     names = {layout: {k: functools.reduce(lambda key, rule: re.sub(*rule, key), rules, k)
                       for k in want} for layout, rules in _RENAMES.items()}  # ours -> theirs
-    named = {layout: sum(key in sd for key in names[layout].values()) for layout in names}
-    layout = max(named, key=named.get)
-    if not named[layout]:  # max took the first layout: none fits, whose missing keys say nothing
-        keys = ", ".join(list(sd)[:4]) or "none"
-        raise CheckpointError(f"{path} fits none of the key layouts ({', '.join(names)}), naming "
-                              f"no tensor of this ViT; its keys ({len(sd)}): {keys}; " + _ELSE)
-    theirs = names[layout]
-    ready, resized, misfit = {}, "", []
+    layout = max(names, key=lambda n: sum(key in sd for key in names[n].values()))
+    theirs, ready, resized, misfit = names[layout], {}, "", []
     for ours, key in ((o, k) for o, k in theirs.items() if k in sd):
-        fn = next((f for pattern, f in _TRANSFORMS[layout] if re.search(pattern, ours)), None)
-        t = fn(sd[key]) if fn else sd[key]
+        t = next((f(sd[key]) for p, f in _TRANSFORMS[layout] if re.search(p, ours)), sd[key])
         if ours == "pos_embed" and t.shape != want[ours]:  # trained at another resolution
             t, resized = _resize_pos_embed(t, model.grid)
         if t.shape != want[ours]:
@@ -169,17 +154,17 @@ def _fit(model, sd, path):
     ignored = sorted(k for k in sd if re.match(_IGNORED, k))
     problems = {"missing keys": [k for k in dict.fromkeys(theirs.values()) if k not in sd],
                 "unexpected keys": sorted(set(sd) - set(theirs.values()) - set(ignored)),
-                "shape mismatches, checkpoint vs model": misfit}
+                "shape mismatches, checkpoint vs model": misfit,
+                "NaN/inf values": [theirs[k] for k, t in ready.items() if not t.isfinite().all()]}
     problems = "".join(f"{what} ({len(found)}): {', '.join(found[:4])}; "
                        for what, found in problems.items() if found)
-    if problems:
-        raise CheckpointError(f"{path} ({layout} layout) does not fit this ViT (width "
+    if problems:  # before any tensor is copied: a failed load leaves the model as it was
+        raise CheckpointError(f"cannot load {path} ({layout} layout) into this ViT (width "
                               f"{model.embed_dim}, {len(model.blocks)} blocks): {problems}" + _ELSE)
-    bad = ", ".join(theirs[k] for k, t in ready.items() if not t.isfinite().all())
-    if bad:
-        raise CheckpointError(f"{path} has NaN or inf values ({bad}); download it anew or " + _ELSE)
-    return ready, (f"{layout} key layout, {len(ready)} tensors loaded{resized}, ignored checkpoint "
-                   f"keys: {', '.join(ignored) or 'none'}")
+    model.load_state_dict(ready, strict=False)  # not strict: a K/V layer's own tensors stay
+    print(f"[vit] {path}: {container} file, {layout} key layout, {len(ready)} tensors loaded"
+          f"{resized}, ignored checkpoint keys: {', '.join(ignored) or 'none'}")
+    return path
 
 
 def _resize_pos_embed(pos, grid):
@@ -195,33 +180,15 @@ def _resize_pos_embed(pos, grid):
 
 
 def _read(path):
-    """{key: tensor} and the container ('npz' or 'torch'), told apart by their content."""
+    """{key: tensor} and the container: an .npz file's arrays, else what torch.load reads."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-        if head[:2] == b"PK":  # a zip: an .npz holds .npy members only, unlike torch.save's
+        if path.endswith(".npz"):
             with np.load(path) as z:
-                if all(name.endswith(".npy") for name in z.zip.namelist()):
-                    return {k: torch.from_numpy(z[k]) for k in z.files}, "npz"
-        elif head[8:] == b"{":  # safetensors: its header's length in 8 bytes, then the header
-            raise CheckpointError(
-                f"{path} is a safetensors file, which this program does not read (it takes no "
-                "safetensors package); convert it to a state dict where safetensors is installed: "
-                f"python -c \"import torch, safetensors.torch as s; torch.save(s.load_file("
-                f"'{path}'), '{path}.pth')\", then pass --weights {path}.pth")
-        elif head[:1] != b"\x80":  # nor torch.save's legacy pickle
-            raise CheckpointError(f"{path} is not a checkpoint: neither a zip (torch.save), a "
-                                  "pickle nor an .npz file; " + _ELSE)
+                return {k: torch.from_numpy(z[k]) for k in z.files}, "npz"
         sd = torch.load(path, map_location="cpu", weights_only=True)
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- torch's unpickler fails on junk with a dozen types
-        if "Unsupported global" in str(e):  # weights_only met a class: a pickled model object
-            why = "it pickles a Python object, not a state dict of tensors; "
-        else:  # the first sentence: torch's messages run on
-            first = re.split(r"\.\s|\n", str(e))[0]
-            why = f"truncated or corrupt ({type(e).__name__}: {first}); download it again or "
-        raise CheckpointError(f"cannot read {path}: {why}" + _ELSE) from e
+    except Exception as e:  # noqa: BLE001 -- numpy and torch fail on junk with a dozen types
+        first = re.split(r"(?<=\w)\.\s|\n", str(e))[0]  # the first sentence: torch's run on
+        raise CheckpointError(f"{path} is not a checkpoint ({type(e).__name__}: {first}); " + _ELSE)
     # unwrapped from training scripts' {'model': state_dict, ...}; what is no dict fits no layout
     return sd.get("model", sd.get("state_dict", sd)) if isinstance(sd, dict) else {}, "torch"
 
