@@ -17,7 +17,7 @@ import shutil
 import struct
 import tarfile
 from collections import namedtuple
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -142,8 +142,9 @@ def _folder(root, wnids):
 
 def _imagenet_r(root, download):
     """imagenet-r/train/ + test/ as they are (LAE's), else imagenet-r/<wnid>/ split 80/20 per class,
-    drawn once into imagenet-r_split.json beside it and then read from it. root may be imagenet-r/
-    itself."""
+    drawn once into imagenet-r_split.json beside it and read from it after, so that every run and
+    resume sees one split: one that lists an image or a class not there fails now. root may be
+    imagenet-r/ itself."""
     folder = root if root.name == "imagenet-r" and not (root / "imagenet-r").is_dir() else (
         root / "imagenet-r")
     split_file = folder.parent / "imagenet-r_split.json"
@@ -154,19 +155,12 @@ def _imagenet_r(root, download):
     wnids = _ls(folder, dirs=True)
     images = {w: [f"{w}/{f}" for f in _ls(folder / w)] for w in wnids}  # each class's, sorted
     if split_file.is_file():
-        present = {p for files in images.values() for p in files}
         with _reading(split_file, "delete it to split again"):
             split = json.loads(split_file.read_text(encoding="utf-8"))
             paths = split["train"] + split["test"]  # a TypeError unless two lists
-            missing = next((p for p in paths if p not in present), None)
-            if missing is not None:  # now, not as a FileNotFoundError hours into training
-                raise ValueError(f"it lists {folder / missing}, which is missing")
-            if {p.split("/")[0] for p in paths} != set(wnids):
-                raise ValueError(f"its classes are not the class folders in {folder}")
-        if len(present) > len(paths):  # the split pins its images: those added since go unused
-            print(f"note: {split_file} leaves out the {len(present) - len(paths)} images added to "
-                  f"{folder} since it was drawn: to use them, delete it (a new split: not for a "
-                  "run that has begun)")
+            if not set(paths) <= {p for files in images.values() for p in files} or (
+                    {p.split("/")[0] for p in paths} != set(wnids)):
+                raise ValueError(f"it lists images or classes that are not those in {folder}")
     else:  # per class (~50 to 400+ images), from sorted paths and seed 0: the benchmark's split
         gen, split = torch.Generator().manual_seed(0), {"train": [], "test": []}
         for w, files in images.items():
@@ -310,26 +304,16 @@ def load_dataset(name, data_dir, img_size, mean, std, seed=0, download=True):
     classes = DATASETS[name]["num_classes"]
     if name == "synthetic":
         (train, train_y), (test, test_y) = _synthetic(img_size, seed)
-    else:
+    else:  # a --data-dir that is a file fails here too: NotADirectoryError, and the fix
         root, (loader, source) = Path(data_dir).expanduser().resolve(), _LOADERS[name]
-        if root.exists() and not root.is_dir():
-            raise DataError(f"--data-dir {root} is a file: pass the folder that holds {name}, or "
-                            "is to receive it.")
-        fix = f"put {source} there and pass --data-dir {shlex.quote(str(root))}"
-        made = [folder for folder in (root, *root.parents) if not folder.exists()]  # deepest first
-        try:
-            with _reading(f"{name} in {root}", fix):
-                (train, train_y), (test, test_y) = loader(root, download)
-                if len(train) != len(train_y) or len(test) != len(test_y):
-                    raise ValueError("its numbers of images and labels differ")
-                if not set(train_y) == set(test_y) == set(range(classes)):
-                    raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
-                                     f"classes, not {classes}: incomplete, or another data set")
-        except DataError:
-            for folder in made:  # by a download that failed: each goes, if empty
-                with suppress(OSError):
-                    folder.rmdir()
-            raise
+        with _reading(f"{name} in {root}",
+                      f"put {source} there and pass --data-dir {shlex.quote(str(root))}"):
+            (train, train_y), (test, test_y) = loader(root, download)
+            if len(train) != len(train_y) or len(test) != len(test_y):
+                raise ValueError("its numbers of images and labels differ")
+            if not set(train_y) == set(test_y) == set(range(classes)):
+                raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
+                                 f"classes, not {classes}: incomplete, or another data set")
     (train_tf, test_tf), (train_b, test_b) = _transforms(name, img_size, mean, std)
     return Splits(_Images(train, train_y, train_tf, train_b),
                   _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),

@@ -649,10 +649,10 @@ def test_imagenet_r_split_tar_and_ready_layout(tmp_path):
     split_file.write_text(json.dumps(split))  # a saved split is reused
     assert len(_load("imagenet-r", tmp_path).test) == 201
     (tmp_path / "imagenet-r" / split["test"][0]).unlink()
-    with pytest.raises(data.DataError) as err:  # a listed file is missing: named, split again
+    with pytest.raises(data.DataError) as err:  # a listed image gone: the split file named, now
         _load("imagenet-r", tmp_path)
-    assert str(tmp_path / "imagenet-r" / split["test"][0]) in str(err.value)
-    assert str(split_file) in str(err.value) and "delete it to split again" in str(err.value)
+    assert str(err.value).startswith(f"{split_file} cannot be read")
+    assert str(err.value).endswith("delete it to split again.")
     split_file.unlink()  # as the message says: split again, from the files that are there
     assert len(_load("imagenet-r", tmp_path).train) == 799
     src, ready = _folders(tmp_path / "src" / "imagenet-r", WNIDS, 5), tmp_path / "ready/imagenet-r"
@@ -821,13 +821,17 @@ def test_file_loaders_give_the_same_batches_under_every_start_method(tmp_path, m
 
 
 @pytest.mark.parametrize("download", [False, True])  # True: the download fails, offline
+@pytest.mark.parametrize("where", ["absent", "a file"])
 @pytest.mark.parametrize("name", list(FAKE))
-def test_missing_data_names_the_folder_the_source_and_the_flag(tmp_path, name, download):
+def test_missing_data_names_the_folder_the_source_and_the_flag(tmp_path, name, where, download):
+    root = tmp_path / where
+    if where == "a file":
+        root.write_text("")
     with pytest.raises(data.DataError) as err:
-        data.load_dataset(name, tmp_path / "absent", 32, *MEAN_STD, download=download)
-    message, root = str(err.value), f"{tmp_path}/absent"
-    assert "\n" not in message and f"{name} in {root}" in message  # which, where
-    assert f"--data-dir {root}" in message and data._LOADERS[name][1] in message  # what to do
+        data.load_dataset(name, root, 32, *MEAN_STD, download=download)
+    message = str(err.value)
+    assert "\n" not in message and f"{name} in {root} cannot be read" in message  # which, where
+    assert f"--data-dir {shlex.quote(str(root))}" in message and data._LOADERS[name][1] in message
 
 
 # ============== janus_min.py, the method: LoRA and Theorem 3.1, GR, OE, DML, ours ===============
