@@ -374,9 +374,6 @@ def test_task_classes_and_the_synthetic_set():
     for classes, tasks in [(100, 7), (10, 0), (10, -2), (10, 10)]:  # 10: one class per task
         with pytest.raises(data.DataError, match=f"pick a divisor of {classes} up to"):
             data.task_classes(classes, tasks)
-    with pytest.raises(data.DataError) as err:
-        _load("mnist", ".")
-    assert all(name in str(err.value) for name in data.DATASETS)  # the known ones, listed
     a, b, c = (_load("synthetic", None, seed=s) for s in (3, 3, 4))
     assert a.num_classes == 12 and (len(a.train), len(a.test)) == (12 * 24, 12 * 8)
     x, y = a.train[5]
@@ -600,7 +597,8 @@ def test_fashion_mnist_files_and_the_batched_pipeline(tmp_path):
     s = _load("synthetic", None, 16)
     by_workers = data._Images(s.test.source, s.test.targets, s.test.transform)  # no batched spec
     parts = [data.subset(ds, [2, 3, 4]) for ds in (s.test, by_workers)]
-    assert parts[0].targets == [s.test[i][1] for i in parts[0].indices] == sorted([2, 3, 4] * 8)
+    assert parts[0].targets == sorted([2, 3, 4] * 8)  # its test set: 8 images a class, in order
+    assert torch.equal(parts[0].source, s.test.source[2 * 8:5 * 8])
     loaders = [data.make_loader(part, 8, False, 0, seed=0) for part in parts]
     assert isinstance(loaders[0], data.DeviceLoader) and len(loaders[0]) == len(loaders[1]) == 3
     for (x, y), (u, v) in zip(*loaders):
@@ -724,8 +722,6 @@ DAMAGE = [
      ["clipart_train.txt cannot be read", FETCH]),  # UTF-16
     ("domainnet", lambda r: (r / "sketch_test.txt").write_text("no label here\n"),
      ["sketch_test.txt cannot be read", FETCH]),
-    ("domainnet", lambda r: (r / "painting/class_342/train_2_1.jpg").unlink(),
-     ["painting/class_342/train_2_1.jpg", "http://ai.bu.edu/M3SDA/", "--data-dir"]),
     ("domainnet", lambda r: (r / "sketch_test.txt").write_text(""),  # 57 classes without a test
      ["345 training and 288 test classes, not 345", "--data-dir"]),
     ("fashion-mnist", lambda r: shutil.copy(r / "train-labels-idx1-ubyte.gz",
