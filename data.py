@@ -1,13 +1,6 @@
 """Data sets, class-incremental task splits and seeded loaders for the Janus-LoRA reference code.
-
-Protocol: the InfLoRA codebase (Liang & Li, CVPR 2024; github.com/liangyanshuo/InfLoRA), on which
-the paper ran: classes in natural order, T equal tasks of contiguous class ids, no exemplars, its
-transforms. Sources (their addresses: _LOADERS; where each file goes: the README's "Offline"):
-CIFAR-100 (Krizhevsky, 2009) as its pickled folder; ImageNet-R (Hendrycks et al., ICCV 2021),
-split 80/20 per class here unless split already (LAE's train/ + test/); DomainNet (Peng et al.,
-ICCV 2019), its per-domain lists; ImageNet-100, 100 classes of ILSVRC-2012 (image-net.org);
-Fashion-MNIST (Xiao et al., 2017), its idx files; synthetic data, generated from the seed.
-"""
+The protocol is the InfLoRA codebase's (Liang & Li, CVPR 2024), on which the paper ran: classes in
+natural order, T equal tasks of contiguous class ids, no exemplars, its transforms."""
 import gzip
 import json
 import os
@@ -17,24 +10,19 @@ import shutil
 import struct
 import tarfile
 from collections import namedtuple
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, Subset
-from torchvision import transforms as T
-from torchvision.datasets import FashionMNIST
-from torchvision.datasets.folder import IMG_EXTENSIONS
-from torchvision.datasets.utils import download_url, extract_archive
-from torchvision.transforms.functional import to_pil_image
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from torchvision import datasets, transforms as T
 
 
 class DataError(Exception):
-    """A data set is missing, incomplete or corrupt, or the task split is impossible. One raised in
-    a loader's worker process is raised again in the main process with the worker's traceback for
-    message: its end, after "data.DataError: ", is the worker's message, the one shown."""
+    """A data set is missing, incomplete or corrupt, or the task split is impossible. torch raises
+    one from a loader worker again with the worker's traceback as message: __str__ keeps its end."""
 
     def __str__(self):
         return super().__str__().rpartition(f"{__name__}.DataError: ")[2].rstrip("\n")
@@ -50,11 +38,13 @@ DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=
 IN_MEMORY = ("synthetic", "cifar100", "fashion-mnist")  # held as arrays: no loader processes
 CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
 IMAGENET_R_URL = "https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar"
+FASHION_URL = datasets.FashionMNIST.mirrors[0]
 DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
-FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
-# train: the training transform; train_eval: the same images, test transform (class prototypes)
+# train_eval: the training images under the test transform (for the class prototypes)
 Splits = namedtuple("Splits", "train train_eval test num_classes")
+# DeviceLoader's transform: RandomResizedCrop's crop if crop, a flip (p = 1/2) if flip, the resize
+# to size x size, the normalisation
+Batched = namedtuple("Batched", "size crop flip mean std")
 
 
 class _Images(Dataset):
@@ -73,8 +63,8 @@ class _Images(Dataset):
 
 
 def _read(item):
-    """An _Images source item as its transform takes it: a tensor as floats in [0, 1]; a file or
-    an array as an RGB image (grey copied to 3 channels)."""
+    """An _Images source item as its transform takes it: a tensor as floats in [0, 1], a file or an
+    array as an RGB image (grey copied to 3 channels)."""
     if torch.is_tensor(item):
         return item.float() / 255
     if isinstance(item, str):  # a file, read whole here: a damaged one is named
@@ -82,8 +72,14 @@ def _read(item):
             img = Image.open(item)
             img.load()
     else:
-        img = to_pil_image(torch.tensor(item))
+        img = T.functional.to_pil_image(torch.tensor(item))
     return img.convert("RGB")
+
+
+def _take(ds, idx):
+    """The _Images of ds's images idx, in that order."""
+    source = [ds.source[i] for i in idx] if isinstance(ds.source, list) else ds.source[idx]
+    return _Images(source, [ds.targets[i] for i in idx], ds.transform, ds.batched)
 
 
 @contextmanager
@@ -98,15 +94,16 @@ def _reading(what, fix):
 
 
 def _unpack(root, url, name, download):
-    """root/name, unpacked whole or not at all from url's archive in root (downloaded if absent)."""
+    """root/name from url's archive in root (downloaded if absent and download), unpacked beside
+    and renamed: a damaged archive leaves no half a folder that the next run would take for data."""
     archive = root / url.rsplit("/", 1)[1]
     if download and not archive.is_file():
-        download_url(url, str(root))
+        datasets.utils.download_url(url, str(root))
     if archive.is_file():  # else neither folder nor archive: reading the folder says so
         tmp = root / f".{name}.{os.getpid()}"  # one per process: two runs never share it
         try:
             with _reading(archive, f"delete it and fetch it again from {url}"):
-                extract_archive(str(archive), str(tmp))
+                datasets.utils.extract_archive(str(archive), str(tmp))
             (tmp / name).rename(root / name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -120,7 +117,7 @@ def _cifar100(root, download):
         _unpack(root, CIFAR100_URL, folder.name, download)
     parts = []
     for part in ("train", "test"):
-        raw = (folder / part).read_bytes()
+        raw = (folder / part).read_bytes()  # if missing, load_dataset says what to put there
         with _reading(folder / part, "delete it and fetch it again"):
             entry = pickle.loads(raw, encoding="latin1")
             nchw = np.asarray(entry["data"], np.uint8).reshape(-1, 3, 32, 32)  # rows: C, H, W
@@ -129,9 +126,9 @@ def _cifar100(root, download):
 
 
 def _ls(folder, dirs=False):
-    """Sorted names of folder's subfolders (dirs) or image files, hidden ones left out."""
+    """Sorted names of folder's subfolders (dirs) or image files, but hidden ones (macOS's ._*)."""
     return sorted(p.name for p in folder.iterdir() if p.name[0] != "." and
-                  (p.is_dir() if dirs else p.name.lower().endswith(IMG_EXTENSIONS)))
+                  (p.is_dir() if dirs else p.name.lower().endswith(datasets.folder.IMG_EXTENSIONS)))
 
 
 def _folder(root, wnids):
@@ -142,31 +139,23 @@ def _folder(root, wnids):
 
 def _imagenet_r(root, download):
     """imagenet-r/train/ + test/ as they are (LAE's), else imagenet-r/<wnid>/ split 80/20 per class,
-    drawn once into imagenet-r_split.json beside it and then read from it. root may be imagenet-r/
-    itself."""
+    drawn once into imagenet-r_split.json beside it and read from it after, so that every run and
+    resume sees one split: one that lists an image or a class not there fails now."""
     folder = root if root.name == "imagenet-r" and not (root / "imagenet-r").is_dir() else (
-        root / "imagenet-r")
-    split_file = folder.parent / "imagenet-r_split.json"
+        root / "imagenet-r")  # root: the folder that holds imagenet-r/, or imagenet-r/ itself
     if not folder.is_dir():
         _unpack(root, IMAGENET_R_URL, folder.name, download)
     if (folder / "train").is_dir() and (folder / "test").is_dir():
         return [_folder(folder / part, _ls(folder / "train", True)) for part in ("train", "test")]
-    wnids = _ls(folder, dirs=True)
+    wnids, split_file = _ls(folder, dirs=True), folder.parent / "imagenet-r_split.json"
     images = {w: [f"{w}/{f}" for f in _ls(folder / w)] for w in wnids}  # each class's, sorted
     if split_file.is_file():
-        present = {p for files in images.values() for p in files}
         with _reading(split_file, "delete it to split again"):
             split = json.loads(split_file.read_text(encoding="utf-8"))
             paths = split["train"] + split["test"]  # a TypeError unless two lists
-            missing = next((p for p in paths if p not in present), None)
-            if missing is not None:  # now, not as a FileNotFoundError hours into training
-                raise ValueError(f"it lists {folder / missing}, which is missing")
-            if {p.split("/")[0] for p in paths} != set(wnids):
-                raise ValueError(f"its classes are not the class folders in {folder}")
-        if len(present) > len(paths):  # the split pins its images: those added since go unused
-            print(f"note: {split_file} leaves out the {len(present) - len(paths)} images added to "
-                  f"{folder} since it was drawn: to use them, delete it (a new split: not for a "
-                  "run that has begun)")
+            if not set(paths) <= {p for files in images.values() for p in files} or (
+                    {p.split("/")[0] for p in paths} != set(wnids)):
+                raise ValueError(f"it lists images or classes that are not those in {folder}")
     else:  # per class (~50 to 400+ images), from sorted paths and seed 0: the benchmark's split
         gen, split = torch.Generator().manual_seed(0), {"train": [], "test": []}
         for w, files in images.items():
@@ -187,22 +176,18 @@ def _imagenet_r(root, download):
 
 
 def _domainnet(root, download):
-    """The official lists <domain>_<train|test>.txt of lines '<domain>/<class>/<file> <label>'."""
+    """The official lists <domain>_<train|test>.txt of lines '<domain>/<class>/<file> <label>'. A
+    listed image that is missing fails when first read: in the first batches, if a domain is."""
     parts = []
     for part in ("train", "test"):
         paths, labels = [], []
         for listing in (root / f"{domain}_{part}.txt" for domain in DOMAINS):
             raw = listing.read_bytes()
             with _reading(listing, "fetch it again"):
-                for line in raw.decode("utf-8").splitlines():
-                    path, label = line.rsplit(maxsplit=1)  # a ValueError unless 'path label'
-                    paths.append(str(root / path))
-                    labels.append(int(label))
+                pairs = [line.rsplit(maxsplit=1) for line in raw.decode("utf-8").splitlines()]
+                paths += [str(root / path) for path, _ in pairs]  # a ValueError unless 'path y'
+                labels += [int(label) for _, label in pairs]
         parts.append((paths, labels))
-    # every listed image, now rather than hours into training: ~2 s for DomainNet's 590k, once
-    missing = next((p for paths, _ in parts for p in paths if not os.path.isfile(p)), None)
-    if missing:
-        raise FileNotFoundError(f"{missing} is listed but missing")
     return parts
 
 
@@ -214,31 +199,29 @@ def _imagenet100(root, download):
 
 
 def _fashion_mnist(root, download):
-    """The four idx files in root, gzipped or not (a missing one downloaded if download). idx:
-    magic 0x000008NN (uint8 data, NN dims), a big-endian uint32 per dim, the data."""
+    """The four idx files in root, gzipped or not (a missing one downloaded if download). idx: a
+    magic number whose last byte counts the dims, a big-endian uint32 per dim, the uint8 data."""
     arrays = []
-    for path in (root / f[:-3] if (root / f[:-3]).is_file() else root / f for f in FASHION_FILES):
+    for name in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1"):
+        path = root / f"{name}-ubyte" if (root / f"{name}-ubyte").is_file() else (
+            root / f"{name}-ubyte.gz")
         if download and not path.is_file():
-            download_url(FashionMNIST.mirrors[0] + path.name, str(root))
+            datasets.utils.download_url(FASHION_URL + path.name, str(root))
         b = path.read_bytes()
         with _reading(path, "delete it and fetch it again"):
             b = gzip.decompress(b) if path.suffix == ".gz" else b
-            if b[:3] != b"\0\0\x08":
-                raise ValueError("not an idx file of uint8")
-            shape = struct.unpack(f">{b[3]}I", b[4:4 + 4 * b[3]])
+            shape = struct.unpack(f">{b[3]}I", b[4:4 + 4 * b[3]])  # a damaged one fails to reshape
             arrays.append(np.frombuffer(bytearray(b), np.uint8, offset=4 + 4 * b[3]).reshape(shape))
     return [(arrays[0][:, None], arrays[1].tolist()), (arrays[2][:, None], arrays[3].tolist())]
 
 
 def _synthetic(img_size, seed, per_class=(24, 8), patterns=8):
     """Tasks whose images occupy different input subspaces, as real tasks' largely do: the premise
-    of the paper's memory (Fig. 2), modelled in its plainest form. Each task of the default split
-    has its own `patterns` random patterns of a tile; an image is a 4 x 4 grid of tiles (ViT-B/16's
-    patches at the default 64 px), each a random mix of its task's patterns about its class's
-    mean mix, on grey, plus pixel noise. A mix varies about its class's mean as much as the
-    classes' means differ, so the classes of a task overlap, as real ones do, and a backbone that
-    drifts costs them accuracy. Tasks share the grey, the position embeddings and the class token:
-    what the first task's memory captures along with that task's own patterns."""
+    of the paper's memory (Fig. 2). Each task has its own `patterns` random patterns of a tile; an
+    image is a 4 x 4 grid of tiles (ViT-B/16's patches at 64 px), each a random mix of its task's
+    patterns about its class's mean mix, on grey, plus noise. A mix varies about its class's mean
+    as much as the means differ, so a task's classes overlap, as real ones do, and a backbone that
+    drifts costs them accuracy."""
     classes, tasks = DATASETS["synthetic"]["num_classes"], DATASETS["synthetic"]["tasks"]
     gen = torch.Generator().manual_seed(seed)
     tile = -(-img_size // 4)  # a 4 x 4 grid of tiles, cropped to img_size
@@ -264,7 +247,7 @@ _LOADERS = {
     "imagenet-r": (_imagenet_r, f"imagenet-r/ or imagenet-r.tar from {IMAGENET_R_URL}"),
     "domainnet": (_domainnet, "the six domain folders and lists from http://ai.bu.edu/M3SDA/"),
     "imagenet100": (_imagenet100, "ILSVRC-2012 (image-net.org) as train/<wnid>/, val/<wnid>/"),
-    "fashion-mnist": (_fashion_mnist, f"the four idx .gz files from {FashionMNIST.mirrors[0]} "
+    "fashion-mnist": (_fashion_mnist, f"the four idx .gz files from {FASHION_URL} "
                       "(or Debian's dataset-fashion-mnist: /usr/share/datasets/fashion-mnist)")}
 
 
@@ -286,50 +269,22 @@ def _transforms(name, img_size, mean, std):
     return tfs, specs if name in IN_MEMORY else (None, None)
 
 
-def thin(splits, limit, seed):
-    """splits with at most `limit` training images per class (None: all): the first of each class
-    after a shuffle drawn from seed, in the data set's order. The test set stays whole."""
-    if limit is None:
-        return splits
-    targets = splits.train.targets
-    rank, count = {}, {}  # rank[i]: image i's place among its class's, in the shuffled order
-    for i in torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed)).tolist():
-        rank[i] = count[targets[i]] = count.get(targets[i], 0) + 1
-    kept = [i for i in range(len(targets)) if rank[i] <= limit]
-    source = splits.train.source
-    source = [source[i] for i in kept] if isinstance(source, list) else source[kept]
-    train, train_eval = (_Images(source, [targets[i] for i in kept], ds.transform, ds.batched)
-                         for ds in (splits.train, splits.train_eval))
-    return splits._replace(train=train, train_eval=train_eval)
-
-
 def load_dataset(name, data_dir, img_size, mean, std, seed=0, download=True):
-    """Splits of a data set in DATASETS; seed: the synthetic set's."""
-    if name not in DATASETS:
-        raise DataError(f'unknown dataset {name!r}: choose one of {", ".join(DATASETS)}.')
+    """Splits of a data set in DATASETS (seed: the synthetic set's), read and checked now, so that
+    a missing or damaged set stops the run before it trains."""
     classes = DATASETS[name]["num_classes"]
     if name == "synthetic":
         (train, train_y), (test, test_y) = _synthetic(img_size, seed)
-    else:
+    else:  # a --data-dir that is a file fails here too: NotADirectoryError, and the fix
         root, (loader, source) = Path(data_dir).expanduser().resolve(), _LOADERS[name]
-        if root.exists() and not root.is_dir():
-            raise DataError(f"--data-dir {root} is a file: pass the folder that holds {name}, or "
-                            "is to receive it.")
-        fix = f"put {source} there and pass --data-dir {shlex.quote(str(root))}"
-        made = [folder for folder in (root, *root.parents) if not folder.exists()]  # deepest first
-        try:
-            with _reading(f"{name} in {root}", fix):
-                (train, train_y), (test, test_y) = loader(root, download)
-                if len(train) != len(train_y) or len(test) != len(test_y):
-                    raise ValueError("its numbers of images and labels differ")
-                if not set(train_y) == set(test_y) == set(range(classes)):
-                    raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
-                                     f"classes, not {classes}: incomplete, or another data set")
-        except DataError:
-            for folder in made:  # by a download that failed: each goes, if empty
-                with suppress(OSError):
-                    folder.rmdir()
-            raise
+        with _reading(f"{name} in {root}",
+                      f"put {source} there and pass --data-dir {shlex.quote(str(root))}"):
+            (train, train_y), (test, test_y) = loader(root, download)
+            if len(train) != len(train_y) or len(test) != len(test_y):
+                raise ValueError("its numbers of images and labels differ")
+            if not set(train_y) == set(test_y) == set(range(classes)):
+                raise ValueError(f"{len(set(train_y))} training and {len(set(test_y))} test "
+                                 f"classes, not {classes}: incomplete, or another data set")
     (train_tf, test_tf), (train_b, test_b) = _transforms(name, img_size, mean, std)
     return Splits(_Images(train, train_y, train_tf, train_b),
                   _Images(train, train_y, test_tf, test_b), _Images(test, test_y, test_tf, test_b),
@@ -346,17 +301,37 @@ def task_classes(num_classes, tasks):
 
 
 def subset(ds, classes):
-    """ds restricted to the given classes, keeping `.targets` (global class ids)."""
+    """ds's images of the given classes, in ds's order, with their global class ids."""
     keep = set(classes)
-    part = Subset(ds, [i for i, y in enumerate(ds.targets) if y in keep])
-    part.targets = [ds.targets[i] for i in part.indices]
-    return part
+    return _take(ds, [i for i, y in enumerate(ds.targets) if y in keep])
+
+
+def thin(splits, limit, seed):
+    """splits with at most `limit` training images per class (None: all): the first of each class
+    after a shuffle drawn from seed, in the data set's order. The test set stays whole."""
+    if limit is None:
+        return splits
+    targets = splits.train.targets
+    rank, count = {}, {}  # rank[i]: image i's place among its class's, in the shuffled order
+    for i in torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed)).tolist():
+        rank[i] = count[targets[i]] = count.get(targets[i], 0) + 1
+    kept = [i for i in range(len(targets)) if rank[i] <= limit]
+    return splits._replace(train=_take(splits.train, kept),
+                           train_eval=_take(splits.train_eval, kept))
+
+
+def make_loader(ds, batch_size, train, workers, seed, device=None):
+    """Batches of ds (shuffled when train) whose order and augmentations come from seed alone: an
+    in-memory set's by DeviceLoader (on the CPU too: CIFAR-100 at 224 px, 3,600 images/s on 2
+    threads, PIL 1,000 in 2 workers), a file-based set's by _Batches."""
+    if ds.batched is not None:
+        return DeviceLoader(ds, batch_size, train, seed, torch.device(device or "cpu"))
+    return _Batches(ds, batch_size, train, workers, seed)
 
 
 class _Seeded(Dataset):
-    """Items (image, label, transform, seed) made as _Images makes one, under that seed (fork_rng:
-    the process's generator stays). An item carries all it needs, so one DataLoader over this
-    serves every file-based pass of a process (_process_loader)."""
+    """Items (image, label, transform, seed) made as _Images makes one, under that seed: an item
+    carries all it needs, so that one DataLoader serves every pass."""
 
     def __getitem__(self, item):
         image, label, transform, seed = item
@@ -380,24 +355,17 @@ class _Draws(Sampler):
         return zip(order.tolist(), torch.randint(0, 2**62, (self.n,), generator=self.gen).tolist())
 
 
-def make_loader(ds, batch_size, train, workers, seed, device=None):
-    """Batches of ds, an _Images or a Subset of one (shuffled when train), whose order and
-    augmentations come from seed alone, not from --workers: an in-memory set's made on device by
-    DeviceLoader (the CPU too, by default: CIFAR-100 at 224 px gave ~3,600 images/s there on 2
-    threads, PIL ~1,000 in 2 workers), a file-based set's by the process's `workers` processes."""
-    images, idx = (ds.dataset, ds.indices) if isinstance(ds, Subset) else (ds, range(len(ds)))
-    if images.batched is not None:
-        return DeviceLoader(ds, batch_size, train, seed, torch.device(device or "cpu"))
-    return _Batches(images, idx, batch_size, train, workers, seed)
+_pool = None  # the process's DataLoader of _Seeded items, made by its first file-based epoch
 
 
 class _Batches:
-    """The batches of images[idx], epoch after epoch: _Draws draws each epoch's order and seeds
-    here, the process's DataLoader (_process_loader) reads and transforms the images."""
+    """ds's batches, epoch after epoch: _Draws draws each epoch's order and seeds here, the
+    process's one DataLoader (_pool) makes the items in `workers` processes. These start once, for
+    every pass: under spawn and forkserver each costs a Python and `import torch`."""
 
-    def __init__(self, images, idx, batch_size, train, workers, seed):
-        self.images, self.idx, self.workers = images, idx, workers
-        self.draws = BatchSampler(_Draws(len(idx), train, seed), batch_size, drop_last=False)
+    def __init__(self, ds, batch_size, train, workers, seed):
+        self.ds, self.workers = ds, workers
+        self.draws = BatchSampler(_Draws(len(ds), train, seed), batch_size, drop_last=False)
 
     def __len__(self):
         return len(self.draws)
@@ -405,58 +373,30 @@ class _Batches:
     def __iter__(self):
         """One epoch. The workers serve one pass at a time: a pass begun within another would take
         them over, and is refused."""
-        loader = _process_loader(self.workers)
-        feed, ds, idx = loader.batch_sampler, self.images, self.idx
-        if feed.batches is not None:
+        global _pool
+        if _pool is None or _pool.num_workers != self.workers:
+            end_workers()
+            _pool = DataLoader(_Seeded(), batch_sampler=[], num_workers=self.workers,
+                               persistent_workers=self.workers > 0,
+                               generator=torch.Generator())  # its base seed: not the run's
+        feed, ds = _pool.batch_sampler, self.ds  # feed: the epoch's batches, empty between epochs
+        if feed:
             raise RuntimeError("a pass over a file-based set began before the last one ended")
-        feed.batches = ([(ds.source[idx[i]], ds.targets[idx[i]], ds.transform, seed)
-                         for i, seed in batch] for batch in self.draws)
+        feed += [[(ds.source[i], ds.targets[i], ds.transform, seed) for i, seed in batch]
+                 for batch in self.draws]
         try:
-            yield from loader
+            yield from _pool
         finally:
-            feed.batches = None
-
-
-class _Feed(Sampler):
-    """The process's DataLoader's batches of _Seeded items: an epoch's, set by _Batches; None
-    between epochs."""
-    batches = None
-
-    def __iter__(self):
-        return iter(self.batches)
-
-
-_pool = None  # the process's DataLoader of file-based batches (_process_loader)
-
-
-def _process_loader(n):
-    """The process's DataLoader of _Seeded items in n worker processes (0: in this one), made at
-    its first file-based epoch and kept for every later epoch and pass: its workers start once,
-    which under spawn and forkserver (macOS, Windows, Linux from Python 3.14) costs a Python
-    and `import torch` a worker. Another n replaces it."""
-    global _pool
-    if _pool is None or _pool.num_workers != n:
-        end_workers()
-        _pool = DataLoader(_Seeded(), batch_sampler=_Feed(), num_workers=n,
-                           pin_memory=torch.cuda.is_available(), persistent_workers=n > 0,
-                           generator=torch.Generator())  # its base seed: not the run's
-    return _pool
+            feed.clear()
 
 
 def end_workers():
-    """Ends the process's loader workers: at a run's end, on Ctrl-C or SIGTERM, after an error.
-    torch ends them when their DataLoader's iterator goes, which an error's traceback can hold
-    past the run: its shutdown, called here, ends them now."""
+    """Ends the process's loader workers now (a run's end, Ctrl-C, an error): torch ends them
+    when their DataLoader's iterator goes, which an error's traceback can hold past the run."""
     global _pool
     if _pool is not None and _pool._iterator is not None:
         _pool._iterator._shutdown_workers()
     _pool = None
-
-
-# ---- The device-resident pipeline (in-memory sets): uint8 images on the device, each batch
-# indexed, normalised, cropped, flipped and resized there, from draws on the CPU. A spec: a random
-# crop as RandomResizedCrop's (crop), a flip with p = 1/2 (flip), the resize to size x size.
-Batched = namedtuple("Batched", "size crop flip mean std")
 
 
 def crop_boxes(gen, n, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), attempts=10):
@@ -502,14 +442,13 @@ def resized_crops(x, boxes, size, flips):
 
 
 class DeviceLoader:
-    """len() batches of (images (B, 3, S, S) float32, labels (B,) int64) on device; one CPU
-    generator draws each epoch's order (when train), crops and flips, epoch after epoch."""
+    """An in-memory set's batches (images (B, 3, S, S) float32, labels (B,)) made on device; one
+    CPU generator draws each epoch's order (when train), crops and flips, the same on any device."""
 
     def __init__(self, ds, batch_size, train, seed, device):
-        base, idx = (ds.dataset, ds.indices) if isinstance(ds, Subset) else (ds, slice(None))
-        self.images = torch.as_tensor(base.source[idx]).to(device)  # (N, C, H, W) uint8, C: 1 or 3
+        self.images = torch.as_tensor(ds.source).to(device)  # (N, C, H, W) uint8, C: 1 or 3
         self.labels = torch.tensor(ds.targets, device=device)  # (N,)
-        self.spec, self.batch_size, self.train = base.batched, batch_size, train
+        self.spec, self.batch_size, self.train = ds.batched, batch_size, train
         self.device, self.gen = device, torch.Generator().manual_seed(seed)
         self.mean, self.std = (torch.tensor(v, device=device).view(-1, 1, 1)
                                for v in (self.spec.mean, self.spec.std))
@@ -518,19 +457,17 @@ class DeviceLoader:
         return -(-len(self.labels) // self.batch_size)
 
     def __iter__(self):
-        """One epoch, all its draws made now, however many of its batches are taken."""
+        """One epoch, all its draws made at its first batch, however many batches are taken."""
         n, (height, width) = len(self.labels), self.images.shape[2:]
         order = torch.randperm(n, generator=self.gen) if self.train else torch.arange(n)
         boxes = (crop_boxes(self.gen, n, height, width) if self.spec.crop
                  else torch.tensor([0, 0, height, width]).expand(n, 4))  # (n, 4)
         flips = (torch.rand(n, generator=self.gen) < 0.5 if self.spec.flip
                  else torch.zeros(n, dtype=torch.bool))  # (n,)
-        parts = (t.to(self.device).split(self.batch_size) for t in (order, boxes, flips))
-        return (self._batch(*part) for part in zip(*parts))
-
-    def _batch(self, idx, boxes, flips):
-        # normalised first: the resize is linear with rows that sum to 1, so this equals
-        # torchvision's order, on the small images; grey is copied to 3 channels, as PIL's RGB
-        x = (self.images[idx].float() / 255 - self.mean) / self.std  # (B, 1 or 3, H, W)
-        x = x.expand(-1, 3, -1, -1)  # (B, 3, H, W)
-        return resized_crops(x, boxes, self.spec.size, flips), self.labels[idx]
+        for idx, box, flip in zip(*(t.to(self.device).split(self.batch_size)
+                                    for t in (order, boxes, flips))):
+            # normalised first: the resize is linear with rows that sum to 1, so this equals
+            # torchvision's order, on the small images; grey is copied to 3 channels, as PIL's RGB
+            x = (self.images[idx].float() / 255 - self.mean) / self.std  # (B, 1 or 3, H, W)
+            x = x.expand(-1, 3, -1, -1)  # (B, 3, H, W)
+            yield resized_crops(x, box, self.spec.size, flip), self.labels[idx]
