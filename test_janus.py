@@ -641,6 +641,8 @@ DAMAGE = [
      ["numbers of images and labels differ", "fashion-mnist in"]),
     ("imagenet100", lambda r: shutil.rmtree(r / "val" / "7"), ["val/7", "image-net.org"]),
     ("imagenet-r", lambda r: None, ["20 training and 20 test classes, not 200", "imagenet-r.tar"]),
+    ("imagenet-r", lambda r: [(r / "imagenet-r" / WNIDS[3] / f"{i}.png").unlink()
+                              for i in (0, 1, 2)], [f"{WNIDS[3]} has 2 images, too few to split"]),
 ] + [("imagenet-r", lambda r, text=text: (r / "imagenet-r_split.json").write_bytes(text),
       ["imagenet-r_split.json cannot be read", "delete it to split again."])  # another's file
      for text in (b'{"train": [', b"[]", b'"train"', b'{"train": []}', b"\xff{}", b'{"a": []}',
@@ -659,8 +661,8 @@ def test_damaged_data_gives_one_line_naming_the_file_and_the_fix(tmp_path, name,
 
 @pytest.mark.parametrize("workers", [0, 1])  # 1: raised in a worker, raised again in the main one
 def test_a_damaged_image_met_in_training_ends_the_run_in_one_line(tmp_path, workers, capsys):
-    """An image file cut short: exit 2, one line that names it and the fix; task 1's checkpoint
-    kept, for --resume once the file is replaced."""
+    """An image file cut short: exit 2, one line that names it and the fix; task 1's state kept,
+    from which the same command continues once the file is replaced."""
     FAKE["imagenet100"](tmp_path)  # one image per class in train/<c>/ and val/<c>/
     cut = tmp_path / "train" / "99" / "0.png"  # the last class's: met in task 2
     cut.write_bytes(cut.read_bytes()[:50])  # of 75 bytes: PIL opens it, and fails in its pixels
@@ -671,7 +673,7 @@ def test_a_damaged_image_met_in_training_ends_the_run_in_one_line(tmp_path, work
     err = capsys.readouterr().err
     assert err.startswith(f"error: {cut} cannot be read (OSError: ") and err.count("\n") == 1, err
     assert err.endswith("replace it with an intact copy (fetch the data set again).\n"), err
-    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert len(jm.read_state(tmp_path / "run")["record"]["acc_matrix"]) == 1  # task 1's
     assert not multiprocessing.active_children()  # the run's workers ended with it
 
 
