@@ -8,8 +8,8 @@ task's metrics and the paper's analyses; (4) the program around them. Parts 1-3 
 defined in part 4. Equations are numbered as in the paper's LaTeX source.
 
 One run calls, in order: main -> run -> run_seed, which for each task calls start_task,
-train_task (a loop of train_step), end_task, evaluate, record_analyses and run's after_task, a
-checkpoint. To read the method, go straight to train_step, the first function of part 1.
+train_task (a loop of train_step), end_task, evaluate, record_analyses and run's after_task,
+which saves the run's state. To read the method, go straight to train_step, part 1's first.
 
 Where the code reads the paper differently, or fills a silence (the README says why):
 - M, not V: the safe gradient projects with M, the finished tasks' OE bases (the basis memory of
@@ -910,12 +910,12 @@ def duration(seconds):
 # ==== 4. The program: flags, a run's folder and state, outputs, --reproduce, --benchmark =========
 # --method NAME: its flags, and its name in the paper's tables.
 METHODS = {"janus": ("", "Janus-LoRA"),
+           "janus-update": ("--rectify update", "Janus-LoRA, GR on Adam's step (ours)"),
            "janus-rolling": ("--memory oe-rolling", "Janus-LoRA, M = V"),
            "finetune": ("--no-oe --no-gr --no-dml", "Fine-Tuning"),
            "lora-gpm": ("--memory gpm --no-gr --no-dml", "LoRA-GPM"),
            "lora-gpm-gr": ("--memory gpm --no-dml", "LoRA-GPM + GR"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
-SWITCHES = ("oe", "gr", "dml", "rectify", "memory", "lora_a")  # what tells the methods apart
 # The flags that change no result: the machine's, where the data lie, which seeds (a run keeps
 # each seed's numbers apart) and the modes. Another value of any other flag makes another run.
 FREE = ("data_dir", "seeds", "device", "workers", "compile", "out", "resume", "method",
@@ -988,7 +988,8 @@ def configure(argv=None):
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     check(cfg)
     if cfg.out is None:  # the same flags, the same folder: the same command continues its run
-        digest = hashlib.sha256(json.dumps(identity(asdict(cfg))).encode()).hexdigest()[:6]
+        changed = {k: v for k, v in identity(asdict(cfg)).items() if v != getattr(Config, k)}
+        digest = hashlib.sha256(json.dumps(changed).encode()).hexdigest()[:6]  # a new flag: none
         name = cfg.reproduce or method_of(asdict(cfg))
         cfg.out = os.path.join("runs", f"{name}-{cfg.dataset}-T{cfg.tasks}-{digest}")
     return cfg
@@ -1018,11 +1019,17 @@ def identity(config):
             if k not in FREE}
 
 
+def presets():
+    """Each --method's value of every flag that a --method sets: what tells the methods apart."""
+    typed = {name: parse(flags.split())[1] for name, (flags, _) in METHODS.items()}
+    flags = {k for t in typed.values() for k in t}
+    return {name: {k: t.get(k, getattr(Config, k)) for k in flags} for name, t in typed.items()}
+
+
 def method_of(config):
-    """The --method whose switches a config (a dict) has, or 'custom'."""
-    presets = {name: parse(flags.split())[0] for name, (flags, _) in METHODS.items()}
-    return next((name for name, p in presets.items()
-                 if all(config[s] == p.get(s, getattr(Config, s)) for s in SWITCHES)), "custom")
+    """The --method whose flags a config (a dict) has, or 'custom'."""
+    return next((name for name, values in presets().items()
+                 if all(config[k] == v for k, v in values.items())), "custom")
 
 
 def precision(cfg):
@@ -1090,7 +1097,7 @@ def run(cfg):
         unfinished = (state["record"] or {}).get("seed")
         done = [r["seed"] for r in state["runs"]]
         todo = sorted({*seeds, *cfg.seeds} - {*done}, key=lambda s: (s != unfinished, s))
-        splits, backbone = load(cfg) if todo else (None, None)
+        splits, backbone = load_data_and_backbone(cfg) if todo else (None, None)
         for seed in todo:
             learner, record = start_learner(cfg, seed, backbone), new_record(seed)
             if seed == unfinished:
@@ -1110,7 +1117,7 @@ def run(cfg):
     return 0
 
 
-def load(cfg):
+def load_data_and_backbone(cfg):
     """A run's data and backbone, and its first lines."""
     kind = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else cfg.input_range
     splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size,
@@ -1292,7 +1299,7 @@ RUN_FIGURES = {**FIG5, "analyses.png": ("Figs. 2 and 3: the null-space violation
 REPRODUCE = {
     "demo": ("the quick start (ours): Janus-LoRA beside Fine-Tuning, and with GR on Adam's step",
              {"finetune": "--method finetune", "janus": "--method janus",
-              "janus-update": "--method janus --rectify update"}, FIG5),
+              "janus-update": "--method janus-update"}, FIG5),
     "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", dict(zip("1234567", [
         "--no-oe --no-gr --no-dml", "--no-oe --no-gr", "--no-gr --no-dml", "--no-oe --no-dml",
         "--no-dml", "--no-gr", ""])), FIG5),
@@ -1325,16 +1332,18 @@ def reproduce(cfg, argv):
     for row in [cfg.row] if cfg.row else rows:
         print(f"{row} ({rows[row] or 'no flag'}): python janus_min.py {shlex.join(argv)} --row "
               f"{row}", flush=True)
+        if cfg.dry_run:
+            continue
         try:
-            cfg.dry_run or run(replace(configure(argv + rows[row].split()), reproduce=None,
-                                       row=None, out=os.path.join(cfg.out, row)))
+            run(replace(configure(argv + rows[row].split()), reproduce=None, row=None,
+                        out=os.path.join(cfg.out, row)))
         except Busy as e:
             print(f"{row}: {e}: skipped")
     done = {}
-    for row in [] if cfg.dry_run else rows:  # a row's results.json, written once it is done
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(cfg.out, row,
-                                                                       "results.json")) as f:
-            done[row] = dict(json.load(f), flags=rows[row])
+    for row in [] if cfg.dry_run else rows:  # the rows whose results.json exists: those done
+        if os.path.exists(path := os.path.join(cfg.out, row, "results.json")):
+            with open(path) as f:
+                done[row] = dict(json.load(f), flags=rows[row])
     if done:
         title = f"--reproduce {cfg.reproduce}: {what}; {cfg.dataset}, T={cfg.tasks}"
         paths = [write_table(cfg.out, done, title, [r for r in rows if r not in done]),
@@ -1344,8 +1353,7 @@ def reproduce(cfg, argv):
 
 
 # ---- --benchmark: the time of a step -------------------------------------------------------------
-BENCHMARKED = {"plain": "--method finetune", "janus-grad": "--method janus",
-               "janus-update": "--method janus --rectify update"}  # plain LoRA; GR two ways
+BENCHMARKED = {"plain": "finetune", "janus-grad": "janus", "janus-update": "janus-update"}
 
 
 def benchmark(cfg):
@@ -1359,9 +1367,8 @@ def benchmark(cfg):
     images = torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, device=cfg.device)
     y = torch.randint(0, classes, (cfg.batch_size,), device=cfg.device)
     steps, ms = {}, {name: [] for name in BENCHMARKED}
-    for name, flags in BENCHMARKED.items():
-        preset = parse(flags.split())[0]
-        vcfg = replace(cfg, **{s: preset.get(s, getattr(Config, s)) for s in SWITCHES})
+    for name, method in BENCHMARKED.items():
+        vcfg = replace(cfg, **presets()[method])
         learner = mid_run_learner(vcfg, backbone, m, classes)
         steps[name] = partial(train_step, learner, adam(learner, vcfg), images, y, vcfg)
         for _ in range(5):  # warm-up: the allocator, the kernels, Adam's state

@@ -1901,9 +1901,12 @@ def test_ctrl_c_then_the_same_command_continues_to_the_same_numbers_and_then_tra
     assert "seed 0: continued after task 2" in capsys.readouterr().out
     folder = Path(jm.configure(TINY).out)
     assert _same_records(_results(folder)["runs"][0], tiny_run["res"]["runs"][0])
+    # the folder: from the values that differ from their defaults (a flag added later has none)
+    assert jm.configure(TINY + ["--tau", "0.07", "--workers", "1"]).out == str(folder)
+    assert jm.configure(TINY + ["--tau", "0.08"]).out != str(folder)
     before = (folder / "results.json").read_text()
     (folder / "results.json").unlink()
-    monkeypatch.setattr(jm, "load", None)  # neither data nor backbone: nothing to train
+    monkeypatch.setattr(jm, "load_data_and_backbone", None)  # nothing to train: no data needed
     assert jm.main(TINY) == 0 and (folder / "results.json").read_text() == before
 
 
@@ -2105,20 +2108,22 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
     rows are the paper's: Table 1's marks, the sweeps' values of Sec. 4 and the appendix."""
     base = ["--dataset", "imagenet-r", "--epochs", "3", "--device", "cpu"]
     janus = dataclasses.asdict(jm.configure(base))
+    keys = set(jm.presets()["janus"])  # the flags that the methods set
 
     def switches(argv):
         cfg = dataclasses.asdict(jm.configure(base + argv))
-        assert {k for k in cfg if cfg[k] != janus[k]} <= {*jm.SWITCHES, "method", "out"}
-        return {s: cfg[s] for s in jm.SWITCHES}
+        assert {k for k in cfg if cfg[k] != janus[k]} <= {*keys, "method", "out"}
+        return {k: cfg[k] for k in keys}
     for name in jm.METHODS:
         assert jm.method_of({**janus, **switches(["--method", name])}) == name
         assert switches(["--method", name, "--no-dml"])["dml"] is False
     off = dict(gr=False, dml=False)
-    paper = {"finetune": dict(off, oe=False), "lora-gpm": dict(off, memory="gpm"),
-             "lora-gpm-gr": dict(memory="gpm", dml=False), "inflora": dict(
-                 off, memory="gpm", lora_a="inflora"), "janus": {},
-             "janus-rolling": dict(memory="oe-rolling")}  # the paper's words: M = V
-    assert all(switches(["--method", m]) == {**switches([]), **paper[m]} for m in jm.METHODS)
+    described = {"finetune": dict(off, oe=False), "lora-gpm": dict(off, memory="gpm"),
+                 "lora-gpm-gr": dict(memory="gpm", dml=False), "inflora": dict(
+                     off, memory="gpm", lora_a="inflora"), "janus": {},
+                 "janus-update": dict(rectify="update"),  # ours
+                 "janus-rolling": dict(memory="oe-rolling")}  # the paper's words: M = V
+    assert all(switches(["--method", m]) == {**switches([]), **d} for m, d in described.items())
     rows = {name: {row: jm.configure(base + flags.split()) for row, flags in r.items()}
             for name, (_, r, _) in jm.REPRODUCE.items()}
     assert [(c.oe, c.gr, c.dml) for c in rows["ablation"].values()] == TABLE_1
@@ -2551,5 +2556,5 @@ def test_input_range_reaches_the_data(monkeypatch, flags, mean_std):
         raise data.DataError("stop")
     monkeypatch.setattr(data, "load_dataset", load_dataset)
     with pytest.raises(data.DataError):
-        jm.load(jm.configure(CKPT + flags))
+        jm.load_data_and_backbone(jm.configure(CKPT + flags))
     assert got == [tuple(mean_std)]
