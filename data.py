@@ -378,6 +378,7 @@ class _Batches:
             end_workers()
             _pool = DataLoader(_Seeded(), batch_sampler=[], num_workers=self.workers,
                                persistent_workers=self.workers > 0,
+                               pin_memory=torch.cuda.is_available(),  # a copy that overlaps
                                generator=torch.Generator())  # its base seed: not the run's
         feed, ds = _pool.batch_sampler, self.ds  # feed: the epoch's batches, empty between epochs
         if feed:

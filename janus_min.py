@@ -1090,13 +1090,13 @@ def run(cfg):
         saved, ours = identity({**asdict(Config()), **state["config"]}), identity(asdict(cfg))
         if other := [f"{flag(k)} {saved[k]} (not {ours[k]})" for k in ours if saved[k] != ours[k]]:
             raise RunError(f"{cfg.out} holds a run of {', '.join(other)}: choose another --out")
-        seeds = state["config"]["seeds"]  # and the seeds added now
-        state["config"] = asdict(replace(cfg, seeds=seeds + [s for s in cfg.seeds
-                                                             if s not in seeds]))
+        seeds = state["config"]["seeds"]
+        seeds += [s for s in cfg.seeds if s not in seeds]  # the seeds added now
+        state["config"] = asdict(replace(cfg, seeds=seeds))
         save = partial(written, os.path.join(cfg.out, "checkpoint.pt"), state)
         unfinished = (state["record"] or {}).get("seed")
         done = [r["seed"] for r in state["runs"]]
-        todo = sorted({*seeds, *cfg.seeds} - {*done}, key=lambda s: (s != unfinished, s))
+        todo = sorted((s for s in seeds if s not in done), key=lambda s: s != unfinished)
         splits, backbone = load_data_and_backbone(cfg) if todo else (None, None)
         for seed in todo:
             learner, record = start_learner(cfg, seed, backbone), new_record(seed)

@@ -1960,6 +1960,19 @@ def test_another_configuration_is_refused_and_the_machines_flags_and_more_seeds_
     assert _same_records(res["runs"][0], tiny_run["res"]["runs"][0])
 
 
+def test_the_unfinished_seed_goes_on_first_and_then_the_seeds_added(tmp_path, monkeypatch,
+                                                                     no_plots):
+    """Seed 1 stopped after its first task, then the command with seeds 0 and 1: seed 1 goes on
+    from its second task (a new seed's state would replace its own), then seed 0 starts."""
+    with ctrl_c_at_task(2):
+        assert jm.main(SHORT + ["--seeds", "1", "--out", str(tmp_path)]) == 130
+    started, real = [], jm.run_seed
+    monkeypatch.setattr(jm, "run_seed", lambda learner, record, *args: started.append(
+        (record["seed"], len(record["acc_matrix"]))) or real(learner, record, *args))
+    assert jm.main(SHORT + ["--seeds", "0", "1", "--out", str(tmp_path)]) == 0
+    assert started == [(1, 1), (0, 0)] and _results(tmp_path)["config"]["seeds"] == [1, 0]
+
+
 HOLDER = """import fcntl, sys
 lock = open(sys.argv[1], "w")
 fcntl.flock(lock, fcntl.LOCK_EX)
