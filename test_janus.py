@@ -743,8 +743,8 @@ def test_file_loaders_give_the_same_batches_under_every_start_method(tmp_path, m
 @pytest.mark.parametrize("download", [False, True])  # True: the download fails, offline
 @pytest.mark.parametrize("where", ["absent", "a file"])
 @pytest.mark.parametrize("name", list(FAKE))
-def test_missing_data_names_the_folder_the_source_and_the_flag(tmp_path, monkeypatch, name, where,
-                                                                 download):
+def test_missing_data_names_the_folder_the_source_and_the_flag(
+        tmp_path, monkeypatch, name, where, download):
     """One line: which set, where, what to put there and the flag; a download only if asked."""
     def offline(url, root):
         fetched.append(url)
@@ -1730,8 +1730,8 @@ def _without(argv, flag, values=1):
 
 
 # two tasks, an epoch each of a step of 16 images: for what needs a run, not its numbers
-SHORT = _without(_without(TINY, "--tasks"), "--epochs") + ["--tasks", "2", "--epochs", "1",
-                                                            "--limit-per-class", "8"]
+SHORT = _without(_without(TINY, "--tasks"), "--epochs") + [
+    "--tasks", "2", "--epochs", "1", "--limit-per-class", "8"]
 
 
 def _results(folder):
@@ -1960,8 +1960,8 @@ def test_another_configuration_is_refused_and_the_machines_flags_and_more_seeds_
     assert _same_records(res["runs"][0], tiny_run["res"]["runs"][0])
 
 
-def test_the_unfinished_seed_goes_on_first_and_then_the_seeds_added(tmp_path, monkeypatch,
-                                                                     no_plots):
+def test_the_unfinished_seed_goes_on_first_and_then_the_seeds_added(
+        tmp_path, monkeypatch, no_plots):
     """Seed 1 stopped after its first task, then the command with seeds 0 and 1: seed 1 goes on
     from its second task (a new seed's state would replace its own), then seed 0 starts."""
     with ctrl_c_at_task(2):
@@ -2521,8 +2521,8 @@ def _continue_and_compare(ref, out, stop_at):
 
 
 @pytest.mark.parametrize("run", ["janus", "inflora", "flags"])  # OE's memory, GPM's, M = V
-def test_a_run_stopped_after_its_first_task_continues_with_its_whole_learner(watched, tmp_path,
-                                                                              run):
+def test_a_run_stopped_after_its_first_task_continues_with_its_whole_learner(
+        watched, tmp_path, run):
     """The K/V layers, the heads, V, the memory, the prototypes, the generator and the record."""
     _continue_and_compare(watched[run], tmp_path / run, stop_at=2)
 
