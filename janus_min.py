@@ -1235,8 +1235,8 @@ def plot_trajectories(fig, rows):
                  hatch=["", "//"], edgecolor="k")
     axes[0].set_title("task-agnostic (the paper's): the argmax over all heads", fontsize=9)
     axes[1].set_title("task-aware (ours): the true task's head", fontsize=9)
-    bars.set(yscale="log", xticks=range(len(rows)), xticklabels=list(rows),
-             ylabel="RMS change of the K/V outputs")
+    bars.set(yscale="log", ylabel="RMS change of the K/V outputs")
+    bars.set_xticks(range(len(rows)), list(rows), rotation=20)  # level, long names would meet
     bars.set_title("Fig. 2 on real inputs: the past tasks'\n(filled), the current task's (hatched)",
                    fontsize=9)
 
