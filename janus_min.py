@@ -172,7 +172,7 @@ class Config:
                         nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default, and most: "
                         "the cores)", type=NATURAL)
-    out: str = _opt(None, "the run's folder (default: runs/<dataset>-<method>-T<tasks>-<a digest "
+    out: str = _opt(None, "the run's folder (default: runs/<method>-<dataset>-T<tasks>-<a digest "
                     "of the other flags that change results>): the same command continues it")
     resume: str = _opt(None, "continue the run in this folder with its own flags")
     # The other modes.
@@ -1096,7 +1096,7 @@ def run(cfg):
         save = partial(written, os.path.join(cfg.out, "checkpoint.pt"), state)
         unfinished = (state["record"] or {}).get("seed")
         done = [r["seed"] for r in state["runs"]]
-        todo = sorted((s for s in seeds if s not in done), key=lambda s: s != unfinished)
+        todo = [s for s in seeds if s not in done]  # the unfinished seed, begun last, first
         splits, backbone = load_data_and_backbone(cfg) if todo else (None, None)
         for seed in todo:
             learner, record = start_learner(cfg, seed, backbone), new_record(seed)

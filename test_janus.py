@@ -1903,6 +1903,10 @@ def test_ctrl_c_then_the_same_command_continues_to_the_same_numbers_and_then_tra
     assert _same_records(_results(folder)["runs"][0], tiny_run["res"]["runs"][0])
     # the folder: from the values that differ from their defaults (a flag added later has none)
     assert jm.configure(TINY + ["--tau", "0.07", "--workers", "1"]).out == str(folder)
+    real = jm.identity
+    monkeypatch.setattr(jm, "identity", lambda c: {k: v for k, v in real(c).items() if k != "tau"})
+    assert jm.configure(TINY).out == str(folder)  # as if --tau did not exist yet
+    monkeypatch.setattr(jm, "identity", real)
     assert jm.configure(TINY + ["--tau", "0.08"]).out != str(folder)
     before = (folder / "results.json").read_text()
     (folder / "results.json").unlink()
@@ -1925,7 +1929,7 @@ def test_sigkill_and_sigterm_then_the_same_command_give_the_same_numbers(tiny_ru
             time.sleep(0.05)
         p.send_signal(sig)
         err = p.communicate()[1]
-        assert p.returncode == -signal.SIGKILL if sig == signal.SIGKILL else 143, err
+        assert p.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 143), err
     assert err.splitlines()[-1] == ("interrupted (SIGTERM): the same command continues: python "
                                     f"janus_min.py {shlex.join(argv[2:])}")
     assert jm.main(argv[2:]) == 0
