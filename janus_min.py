@@ -145,6 +145,8 @@ class Config:
                         type=POSITIVE)
     oe_decay_steps: int = _opt(5, "OE's step halves after this many, then decays as 1/t (ours)",
                                type=COUNT)
+    oe_share: float = _opt(0.99, "the share of a task's K/V-input energy that M holds after it: "
+                           "V's directions join M until it does (ours; 1: all k)", type=SHARE)
     delta: float = _opt(1e-4, "GR's ridge delta, relative to the mean eigenvalue (ours)",
                         type=POSITIVE)
     margin: float = _opt(0.3, "DML's margin m (Sec. 4.1)", type=NON_NEGATIVE)
@@ -428,12 +430,39 @@ class OnlineSubspace:
         self.t += 1
 
     @torch.no_grad()
-    def merge(self, memory):
-        """A task's end (ours): M <- orth([M, V]) per block. Returns the new memory, and starts a
-        fresh V off it for the next task."""
-        M = torch.linalg.qr(torch.cat([stack_blocks(memory), self.V], dim=-1)).Q  # (L, D, m + k)
-        self.V = fresh_basis(M, self.k)
-        return list(M)
+    def energies(self, X, memory):
+        """What merge weighs, per block, over a batch's tokens X (each block's K/V inputs): their
+        energy ||X||^2, the part of it in span(M), ||X M||^2, and V^T X^T X V."""
+        total, held, S = [], [], []
+        for x, v, m in zip(X, self.V, stack_blocks(memory)):
+            x = x.flatten(0, -2).float()  # (n, D): the batch's tokens
+            xv = x @ v
+            total.append(x.square().sum())
+            held.append((x @ m).square().sum())
+            S.append(xv.T @ xv)
+        return torch.stack(total), torch.stack(held), torch.stack(S)
+
+    @torch.no_grad()
+    def merge(self, memory, energies=(), share=1.0):
+        """A task's end (ours): each block's M takes the fewest of V's directions, the most
+        energetic first, that bring the share of the task's K/V-input energy in span(M) to
+        `share`; all of V without `energies` (a list of energies(), over the task's batches).
+        Returns the new memory, and starts a fresh V off it for the next task."""
+        V = self.V  # (L, D, k)
+        n = [V.shape[-1]] * len(memory)
+        if energies and share < 1:
+            total, held, S = (sum(e) for e in zip(*energies))  # (L,), (L,), (L, k, k)
+            # V U, U the eigenvectors of S: V's directions, each holding its eigenvalue's energy
+            # (V is off M, so a direction adds its energy to that in span(M) whole).
+            energy, U = torch.linalg.eigh(S.double())
+            energy, U = energy.flip(-1), U.flip(-1)  # the most energetic first
+            before = held[:, None] + energy.cumsum(-1) - energy  # in span(M) before each joins
+            n = (before < share * total[:, None]).sum(-1).tolist()
+            V = V @ U.to(V.dtype)
+        memory = [torch.linalg.qr(torch.cat([M, v[:, :j]], dim=-1)).Q
+                  for M, v, j in zip(memory, V, n)]
+        self.V = fresh_basis(stack_blocks(memory), self.k)
+        return memory
 
 
 def fresh_basis(M, k):
@@ -593,7 +622,8 @@ def start_learner(cfg, seed, backbone):
 def new_record(seed):
     """What a seed's run measures, task by task: results.json's entry before its metrics."""
     return {"seed": seed, "acc_matrix": [], "task_aware": [], "sample_acc": [], "task_seconds": [],
-            "throughput": [], "violation": {"k": [], "v": []}, "interference": [], "geometry": []}
+            "throughput": [], "violation": {"k": [], "v": []}, "interference": [], "geometry": [],
+            "memory": []}
 
 
 def run_seed(learner, record, splits, cfg, after_task):
@@ -630,8 +660,9 @@ def start_task(learner, t, tasks, splits, cfg):
         layer.M = M[j // 2]  # K and V of block j // 2 share its input, and so its memory
         layer.A.requires_grad_(cfg.lora_a == "trained")  # InfLoRA trains B alone
         layer.B.requires_grad_(True)
-    if learner.oe is not None:
-        learner.oe.t = 0  # each task's OE starts with large steps
+    if learner.oe is not None and cfg.memory == "oe":
+        learner.oe.t = 0  # each task's fresh V starts with large steps; --memory oe-rolling's V
+        # goes on with the steps of the whole run: it estimates all the tasks' inputs
     if cfg.lora_a == "inflora":
         C = kv_covariance(model, data.subset(splits.train_eval, tasks[t]), cfg)  # (L, D, D)
         A = [inflora_a(C_i, M_i, cfg.rank) for C_i, M_i in zip(C, M)]  # K and V share an A
@@ -719,10 +750,12 @@ def end_task(learner, t, tasks, splits, cfg):
     """Task t's end: DML's prototypes of its classes, the memory's update, the LoRA merge. Returns
     the task's factors (A, B) of each layer from before the merge, for the analyses."""
     images = data.subset(splits.train_eval, tasks[t])  # the test transform
-    z, y = features(learner.model, images, cfg)
+    oe_memory = cfg.oe and cfg.memory == "oe"
+    measure = partial(learner.oe.energies, memory=learner.memory) if oe_memory else None
+    z, y, energies = features(learner.model, images, cfg, measure)  # ours: one pass for both
     learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
-    if cfg.oe and cfg.memory == "oe":  # ours: this task's OE basis joins the memory
-        learner.memory = learner.oe.merge(learner.memory)
+    if oe_memory:  # ours: V's directions join the memory until it holds the task's energy
+        learner.memory = learner.oe.merge(learner.memory, energies, cfg.oe_share)
     elif cfg.oe and cfg.memory == "gpm":  # a pass over the task's images: what OE avoids
         C = kv_covariance(learner.model, images, cfg)
         first, last = cfg.gpm_threshold  # InfLoRA's schedule: t / T of the way, t from 0
@@ -748,7 +781,7 @@ def evaluate(model, heads, splits, tasks, cfg):
     """Row t of the accuracy matrices, per seen task: task-agnostic (InfLoRA's: the argmax over
     all heads) and task-aware (ours: the true task's head); and over the seen test samples."""
     seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
-    z, y = features(model, data.subset(splits.test, seen.tolist()), cfg)
+    z, y, _ = features(model, data.subset(splits.test, seen.tolist()), cfg)
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
     for i, classes in enumerate(tasks[:len(heads)]):
         task_of[classes] = i
@@ -762,10 +795,16 @@ def evaluate(model, heads, splits, tasks, cfg):
 
 
 @torch.no_grad()
-def features(model, images, cfg):
-    """z (n, D) and the labels y (n,) of the images, in their order."""
-    pairs = [(z, y) for z, _, y in batches(model, images, cfg)]
-    return torch.cat([z for z, _ in pairs]), torch.cat([y for _, y in pairs])
+def features(model, images, cfg, measure=None):
+    """z (n, D) and the labels y (n,) of the images, in their order; and, if given, measure(K/V
+    inputs) of each batch."""
+    zs, ys, measured = [], [], []
+    for z, kv_inputs, y in batches(model, images, cfg):
+        zs.append(z)
+        ys.append(y)
+        if measure is not None:
+            measured.append(measure(kv_inputs))
+    return torch.cat(zs), torch.cat(ys), measured
 
 
 def batches(model, images, cfg):
@@ -814,6 +853,8 @@ METRICS = {
                   "Fig. 2: the share of each update on the memory M, ||dW M|| / ||dW||"),
     "danger": (lambda r: mean([g["danger"] for g in r["geometry"] if g]), ".3f", "Fig. 3: the "
                "share of the test images within cosine 0.5 of an old class's prototype"),
+    "M width": (lambda r: mean(r["memory"][-1]), ".1f", "the columns of a block's memory M after "
+                "the last task, the mean over the blocks"),
     "s / task": (lambda r: mean(r["task_seconds"]), ".1f", "a task's training time, with the "
                  "method's own passes, without evaluation"),
 }
@@ -826,9 +867,15 @@ def record_analyses(record, learner, t, factors, memory, splits, cfg):
     for j, name in enumerate("kv"):  # factors[j::2]: each block's K (j = 0) or V (j = 1) pair
         pairs = zip(factors[j::2], memory)
         record["violation"][name].append([violation(A, B, M) for (A, B), M in pairs])
+    record["memory"].append([M.shape[1] for M in protected(learner, cfg)])  # the next task's M
+    lo, hi = min(record["memory"][-1]), max(record["memory"][-1])
+    width = str(lo) if lo == hi else f"{lo}-{hi}"
+    line = (f"seed {record['seed']} task {t + 1} analyses: M holds {width} of "
+            f"{learner.model.embed_dim} columns a block")
     if t == 0:  # no past tasks, no old prototypes
         record["interference"].append(None)
         record["geometry"].append(None)
+        print(line, flush=True)
         return
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     seen = data.subset(splits.test, [c for classes in tasks[:t + 1] for c in classes])
@@ -837,8 +884,8 @@ def record_analyses(record, learner, t, factors, memory, splits, cfg):
     record["interference"].append({"past": past, "current": now})
     record["geometry"].append(dml_geometry(z, y, learner.prototypes, tasks[t][0]))
     violations = [fmt(mean(record["violation"][n][-1]), ".2e") for n in "kv"]
-    print(f"seed {record['seed']} task {t + 1} analyses: its K/V update changed the outputs of "
-          f"the past tasks' test images by {mean(past):.3g} (RMS), its own by {mean(now):.3g} "
+    print(f"{line}; its K/V update changed the outputs of the past tasks' test images by "
+          f"{mean(past):.3g} (RMS), its own by {mean(now):.3g} "
           f"(Fig. 2); ||dW M|| / ||dW|| {violations[0]} (K), {violations[1]} (V); "
           f"{100 * record['geometry'][-1]['danger']:.1f}% of its test images in DML's danger "
           "zone, within cosine 0.5 of an old class (Fig. 3)", flush=True)
@@ -1125,10 +1172,6 @@ def load_data_and_backbone(cfg):
     backbone = build_model(cfg)
     print(f"{cfg.dataset}, T = {cfg.tasks}, {method_of(asdict(cfg))}, {precision(cfg)}: "
           f"{cfg.out}", flush=True)
-    full = math.ceil(backbone.embed_dim / cfg.k)  # the tasks after which a block's memory is full
-    if cfg.oe and cfg.memory == "oe" and full < cfg.tasks:
-        print(f"note: --k {cfg.k} fills each block's memory after task {full} of {cfg.tasks}: the "
-              "later tasks cannot change K and V")
     return splits, backbone
 
 
@@ -1136,7 +1179,8 @@ def learner_state(learner):
     """What a learner carries from a task to the next (its K/V layers hold W0, A and B)."""
     return {"kv": nn.ModuleList(lora_layers(learner.model)).state_dict(),
             "heads": [head.state_dict() for head in learner.heads],
-            "V": learner.oe and learner.oe.V, "memory": learner.memory,
+            "V": learner.oe and learner.oe.V, "oe_steps": learner.oe and learner.oe.t,
+            "memory": learner.memory,
             "prototypes": learner.prototypes}
 
 
@@ -1148,7 +1192,7 @@ def restore(learner, state, device):
         learner.heads.append(nn.Linear(*head["weight"].shape[::-1]).to(device))
         learner.heads[-1].load_state_dict(head)
     if learner.oe is not None:
-        learner.oe.V = saved["V"]
+        learner.oe.V, learner.oe.t = saved["V"], saved["oe_steps"]
     learner.memory, learner.prototypes = saved["memory"], saved["prototypes"]
     torch.set_rng_state(state["rng"].cpu())  # last: the heads above drew from it
     return state["record"]

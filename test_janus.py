@@ -1090,6 +1090,36 @@ def test_oe_is_scale_free_merges_into_an_orthonormal_memory_and_repairs_a_leak()
     assert float((M.T @ M - torch.eye(7)).abs().max()) < 1e-5
 
 
+def test_merge_takes_the_fewest_of_vs_directions_that_bring_m_to_the_share():
+    """With the energies of a task's tokens, each block's M grows by the leading eigenvectors of
+    V^T X^T X V, the fewest with which span(M) holds the share of ||X||^2 (a float64 oracle); M
+    stays orthonormal, the next V off it."""
+    torch.manual_seed(0)
+    L, D, k, m = 2, 24, 6, 4
+    sub, memory = jm.OnlineSubspace(L, D, k), [orthonormal(D, m, dtype=torch.float32)] * L
+    sub.V = jm.fresh_basis(jm.stack_blocks(memory), k)
+    V = sub.V.double()
+    X = [torch.randn(3, 5, D) * torch.linspace(0.1, 3, D) for _ in range(L)]  # 3 images' tokens
+    C = [x.reshape(-1, D).double().T @ x.reshape(-1, D).double() for x in X]
+    eig = [torch.linalg.eigh(v.T @ c @ v) for v, c in zip(V, C)]
+    U = [e.eigenvectors.flip(-1) for e in eig]  # the most energetic first
+
+    def share(i, n):  # of block i's energy in span(M) with n of V's directions added
+        held = memory[i].double().T @ C[i] @ memory[i].double()
+        return float((held.trace() + eig[i].eigenvalues.flip(-1)[:n].sum()) / C[i].trace())
+    target = (share(0, 2) + share(0, 3)) / 2  # block 0 needs 3 directions
+    batches = [sub.energies([x[:2] for x in X], memory), sub.energies([x[2:] for x in X], memory)]
+    new = sub.merge(memory, batches, target)
+    assert new[0].shape[1] == m + 3
+    for i, M in enumerate(new):
+        n = M.shape[1] - m
+        assert share(i, n) >= target and (n == 0 or share(i, n - 1) < target)
+        expected = torch.linalg.qr(torch.cat([memory[i].double(), V[i] @ U[i][:, :n]], 1)).Q
+        assert float((M.double() @ M.double().T - expected @ expected.T).abs().max()) < 1e-5
+        assert float((M.T @ M - torch.eye(m + n)).abs().max()) < 1e-5
+    assert float((jm.stack_blocks(new).mT @ sub.V).abs().max()) < 1e-5
+
+
 def test_dml_terms_direction_and_prototypes():
     """Eq. (11): CE to the batch's prototypes + mean hinge to old ones; its step; unit means."""
     torch.manual_seed(0)
@@ -2090,13 +2120,15 @@ def test_each_metric_is_its_definition_and_the_summary_and_table_report_it(tmp_p
                             "v": [[None, None], [0.5, 0.6], [0.7, 0.8]]},
               "interference": [None, {"past": [1.0, 2.0], "current": [5.0, 6.0]},
                                {"past": [3.0, 4.0], "current": [7.0, 9.0]}],
-              "geometry": [None, {"danger": 0.5}, {"danger": 0.25}]}
+              "geometry": [None, {"danger": 0.5}, {"danger": 0.25}],
+              "memory": [[4, 4], [6, 8], [9, 12]]}
     got = {name: f(record) for name, (f, _, _) in jm.METRICS.items()}
     assert got == pytest.approx({
         "ACC": (60 + 65 + 50) / 3, "MAA": (90 + (80 + 70) / 2 + (60 + 65 + 50) / 3) / 3,
         "BWT": ((60 - 90) + (65 - 70)) / 2, "task-aware ACC": (88 + 80 + 77) / 3,
         "task-aware BWT": ((88 - 95) + (80 - 85)) / 2, "sample ACC": 58.5, "past change": 2.5,
-        "current change": 6.75, "violation": 0.45, "danger": 0.375, "s / task": 2.5})
+        "current change": 6.75, "violation": 0.45, "danger": 0.375, "M width": 10.5,
+        "s / task": 2.5})
     one_task = dict(record, acc_matrix=[[90.0]], task_aware=[[95.0]])
     assert jm.METRICS["BWT"][0](one_task) is None  # undefined with one task
     runs = [dict(record, metrics=got), dict(record, metrics={k: v + 1 for k, v in got.items()})]
@@ -2177,8 +2209,8 @@ def _rows(names, seeds=(0, 1), T=3, g=None):  # rows of 2 seeds, 3 tasks, 2 bloc
                  "interference": [None] + [{"past": draw(4, scale=0.01),
                                             "current": draw(4, scale=0.1)} for _ in range(T - 1)],
                  "geometry": [None] + [{"danger": 0.5, "cos_old": draw(5, scale=1),
-                                        "cos_own": draw(5, scale=1)} for _ in range(T - 1)]}
-                for s in seeds]
+                                        "cos_own": draw(5, scale=1)} for _ in range(T - 1)],
+                 "memory": draw(T, 2)} for s in seeds]
         runs = [dict(r, metrics={k: f(r) for k, (f, _, _) in jm.METRICS.items()}) for r in runs]
         config = dataclasses.asdict(jm.Config(**jm.parse(flags.split())[0]))
         rows[name] = {"flags": flags, "config": config, "runs": runs}
@@ -2545,12 +2577,13 @@ def test_a_cuda_run_stopped_after_task_2_continues_to_the_uninterrupted_run(tmp_
 
 
 def test_a_memory_that_fills_leaves_k_and_v_alone_in_the_later_tasks(tmp_path):
-    """--k 96 fills each block's memory (192 wide) after task 2 of 3, as the note says: in task 3
-    A = 0 and B = 0 stay exactly, W0 bit for bit, OE has no basis, the violation is undefined; the
-    head still trains and every reported number is finite."""
-    r = _watch(SMALL + ["--k", "96", "--epochs", "1", "--out", str(tmp_path)])
+    """--k 96 with all of V joining M (--oe-share 1) fills each block's memory (192 wide) after
+    task 2 of 3, as the analyses line says: in task 3 A = 0 and B = 0 stay exactly, W0 bit for bit,
+    OE has no basis, the violation is undefined; the head still trains and every reported number
+    is finite."""
+    r = _watch(SMALL + ["--k", "96", "--oe-share", "1", "--epochs", "1", "--out", str(tmp_path)])
     assert r["code"] == 0
-    assert "--k 96 fills each block's memory after task 2 of 3" in r["log"]
+    assert "seed 0 task 2 analyses: M holds 192 of 192 columns a block" in r["log"]
     learner, run = r["learners"][0], r["res"]["runs"][0]
     assert [M.shape[1] for M in learner.memory] == [192] * 2 and learner.oe.V.shape[-1] == 0
     head = {"heads.2.weight", "heads.2.bias"}
@@ -2560,6 +2593,28 @@ def test_a_memory_that_fills_leaves_k_and_v_alone_in_the_later_tasks(tmp_path):
     assert all(not layer.A.detach().any() for layer in jm.lora_layers(learner.model))
     assert run["violation"]["k"][2] == [None] * 2 and max(run["interference"][2]["past"]) == 0
     assert all(math.isfinite(a) for row in run["acc_matrix"] for a in row)
+
+
+@pytest.mark.parametrize("run", ["janus", "flags"])  # --memory oe, --memory oe-rolling
+def test_oe_steps_start_afresh_with_each_tasks_v_and_go_on_with_the_rolling_one(watched, run):
+    """Under --memory oe each task's fresh V starts with OE's large steps; under oe-rolling, one V
+    estimates all the tasks' inputs, its step decaying over the run's steps."""
+    r = watched[run]
+    tasks = [t for t, _ in r["lr"]]  # each training step's task
+    steps = len(tasks) if run == "flags" else tasks.count(tasks[-1])
+    assert r["learners"][0].oe.t == steps
+
+
+def test_more_tasks_than_d_over_k_and_the_last_task_still_learns_off_m(tmp_path):
+    """--k 96 over 3 tasks, more than D / k = 2: V's directions join M only until it holds the
+    task's share of energy, so that M has room after task 2, and task 3's update is non-zero, off
+    M (GR on Adam's step) and changes its own outputs; with --oe-share 1, M fills (test above)."""
+    r = _watch(SMALL + ["--k", "96", "--rectify", "update", "--epochs", "1",
+                        "--out", str(tmp_path)])
+    run = r["res"]["runs"][0]
+    assert r["code"] == 0 and max(run["memory"][1]) < 192
+    assert all(v is not None and v < 1e-5 for n in "kv" for v in run["violation"][n][2])
+    assert min(run["interference"][2]["current"]) > 0
 
 
 @pytest.mark.parametrize("flags, mean_std", [
