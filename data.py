@@ -468,7 +468,8 @@ class DeviceLoader:
         for idx, box, flip in zip(*(t.to(self.device).split(self.batch_size)
                                     for t in (order, boxes, flips))):
             # normalised first: the resize is linear with rows that sum to 1, so this equals
-            # torchvision's order, on the small images; grey is copied to 3 channels, as PIL's RGB
+            # torchvision's order (normalising after the resize) but for PIL's uint8 rounding, on
+            # the small images; grey is copied to 3 channels, as PIL's RGB
             x = (self.images[idx].float() / 255 - self.mean) / self.std  # (B, 1 or 3, H, W)
             x = x.expand(-1, 3, -1, -1)  # (B, 3, H, W)
             yield resized_crops(x, box, self.spec.size, flip), self.labels[idx]

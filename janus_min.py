@@ -13,19 +13,27 @@ which saves the run's state. To read the method, go straight to train_step, part
 
 Where the code reads the paper differently, or fills a silence (the README says why):
 - M, not V: the safe gradient projects with M, the finished tasks' OE bases (the basis memory of
-  the paper's Fig. 1), one a block for K and V; a task's V (k columns) joins M at its end until M
-  fills the width, after D / k tasks (16 for ViT-B at k = 50), when K and V stop learning
-  (protected, end_task, OnlineSubspace.merge). --memory oe-rolling projects with V, as the
-  paper's words read.
+  the paper's Fig. 1), one a block for K and V (protected). At a task's end V's directions join
+  M, the most energetic on the task's K/V inputs first, until M holds --oe-share (0.99) of their
+  energy (OnlineSubspace.merge): M grows by what each task needs, where all k columns a task
+  would fill ViT-B's 768 in task 16 at k = 50 and stop K and V learning. --memory oe-rolling
+  projects with V, as the paper's words read, one V estimating all the tasks' inputs.
 - G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix says the task's (train_step).
+  GR's gradients, which the paper hands to Adam, do not keep the update off M: Adam's
+  per-coordinate scaling moves it (LoRALinear; ours, --rectify update, does).
 - OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step comes after
   Adam's, on the K/V inputs of the forward pass before it (OnlineSubspace.update, train_step).
-- OE's step, Eq. (9), is preconditioned by S^-1, S = V^T X_p^T X_p V, and eta decays as
-  5 / (5 + t) within a task; Eq. (10)'s R has a positive diagonal (OnlineSubspace.update, qr_q).
+- OE's step, Eq. (9), is preconditioned by S^-1, S = V^T X_p^T X_p V plus a ridge of 1e-6 of its
+  mean eigenvalue, and eta = oe_lr d / (d + t) after t steps, 5 / (5 + t) with the defaults;
+  Eq. (10)'s R has a positive diagonal (OnlineSubspace.update, qr_q).
+- The prototypes, and the energies that M's rule weighs, need a pass over each task's training
+  images at its end, though the paper calls OE free of offline passes: one forward pass, about
+  half an epoch's compute (a frozen backbone's backward costs about its forward) (end_task).
 - GR's ridge delta is relative to the mean eigenvalue of B^T B, or of A A^T (ridge).
 - Eq. (4) as printed has the wrong shapes and no s: the chain rule gives s B^T G and s G A^T,
   and GR's Eqs. (6)-(7) take them without s (rectify_gradients_).
-- DML's current prototypes are the batch's unit class means, in the graph; its hinge is averaged
+- DML's z is the class token after the final LayerNorm, the heads' input (train_step). Its
+  current prototypes are the batch's unit class means, in the graph; its hinge is averaged
   over the batch and the old prototypes: each finished class's unit mean of the unit features of
   its training images, under the test transform (dml_loss, end_task, class_prototypes).
 - LoRA's life: s = 1; each task a fresh pair, A off M and B = 0, merged into W0 at the task's end
@@ -34,9 +42,10 @@ Where the code reads the paper differently, or fills a silence (the README says 
   run in float64 (LoRALinear.forward, rectify_factors, OnlineSubspace.update).
 - Ours beside the paper's: GR on Adam's step, --rectify update (rectified_adam_step_); the
   task-aware accuracy (evaluate); Fig. 2's violation relative, ||dW M|| / ||dW|| (violation).
-- The protocol is the InfLoRA codebase's: inputs in [0, 1] (Config.input_range), classes in
-  natural order (data.task_classes), a fresh Adam and lr schedule each task (adam, lr_factor),
-  GPM's thresholds (end_task, gpm_extend).
+- The protocol is the InfLoRA codebase's: a head per task, trained by the current head's
+  cross-entropy, the argmax over all heads at test (train_step, evaluate); inputs in [0, 1]
+  (Config.input_range), classes in natural order (data.task_classes), a fresh Adam and lr
+  schedule each task (adam, lr_factor), GPM's thresholds (end_task, gpm_extend).
 
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
 ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024), on which the paper
@@ -133,7 +142,7 @@ class Config:
     rank: int = _opt(10, "LoRA rank r on K and V (Sec. 4.1)", type=COUNT)
     lora_scale: float = _opt(1.0, "LoRA scale s of Eq. (1) (ours: the paper does not give it)",
                              type=POSITIVE)
-    # The method (Sec. 3 and 4.1), and our readings where the paper is silent (README).
+    # The method (Sec. 3 and 4.1), and our readings where the paper is silent (the list above).
     method: str = _opt(None, "a method of the paper's tables: its flags, put before yours")
     lr: float = _opt(5e-4, "Adam's learning rate (the InfLoRA codebase's; the paper gives none)",
                      type=POSITIVE)
@@ -141,8 +150,8 @@ class Config:
                          choices=["inflora", "cosine"])
     k: int = _opt(50, "rank k of each block's OE basis V (Sec. 4.1); M grows by k a task (ours)",
                   type=COUNT)
-    oe_lr: float = _opt(1.0, "OE's step eta at a task's start; 1: one of subspace iteration (ours)",
-                        type=POSITIVE)
+    oe_lr: float = _opt(1.0, "OE's first step eta, at a task's start (the run's under oe-rolling);"
+                        " at 1, a step of subspace iteration (ours)", type=POSITIVE)
     oe_decay_steps: int = _opt(5, "OE's step halves after this many, then decays as 1/t (ours)",
                                type=COUNT)
     oe_share: float = _opt(0.99, "the share of a task's K/V-input energy that M holds after it: "
@@ -170,7 +179,7 @@ class Config:
     precision: str = _opt("bf16", "CUDA's: bf16 autocast (ours) or fp32 (InfLoRA's); CPU: fp32",
                           choices=["bf16", "fp32"])
     compile: str = _opt("auto", "the ViT's blocks compiled by torch.compile (ours); auto: on "
-                        "for CUDA, off on a CPU (README: Speed)", choices=["auto", "on", "off"],
+                        "for CUDA, off on a CPU", choices=["auto", "on", "off"],
                         nargs="?", const="on")
     workers: int = _opt(None, "loader processes of the file-based data sets (default, and most: "
                         "the cores)", type=NATURAL)
@@ -189,8 +198,10 @@ class Config:
 # ==== 1. The method (Sec. 3) ======================================================================
 @dataclass
 class Learner:
-    """What the method carries from one task to the next. Under --memory oe each block's M is fixed
-    during a task, k columns more each task (at most D); V trains off it and joins it at the end."""
+    """What the method carries from one task to the next. The memory's life under --memory oe:
+    during a task each block's M is fixed, and the LoRA pairs and OE's V train off it; at the
+    task's end W0 takes s B A, M takes V's directions until it holds --oe-share of the task's K/V
+    energy, then A is drawn again off the new M, B = 0, and a fresh V starts off it too."""
     model: nn.Module  # the frozen ViT; its K and V layers are LoRALinear, merged at each task's end
     heads: nn.ModuleList  # one linear head per task so far; the last is the current task's
     oe: "OnlineSubspace"  # OE's basis V of each block for the current task; None without OE
@@ -269,14 +280,16 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if self.M.shape[1] == 0:  # nothing to protect yet
             return out + self.scale * F.linear(F.linear(x, self.A), self.B)
-        # Theorem 3.1 through autograd. Split A = A_out + A_in, with A_in = A M M^T its part in
-        # span(M), and hold A_in, and B where it multiplies A_in, constant. The output and dL/dx
-        # do not change. With G = dL/dW and P = I - M M^T, A's gradient flows through A_out = A P
+        # Theorem 3.1 through autograd: what the hooks A.grad <- A.grad P and B.grad <- s G (A P)^T
+        # would give (G = dL/dW, P = I - M M^T), without forming G. Split A = A_out + A_in, with
+        # A_in = A M M^T its part in span(M), and hold A_in, and B where it multiplies A_in,
+        # constant. The output and dL/dx do not change. A's gradient flows through A_out = A P
         # alone, so dL/dA = (s B^T G) P = s B^T G_safe; B's flows through its copy times A_out, so
-        # dL/dB = s G (A P)^T = s (G P) A^T = s G_safe A^T, as P is symmetric. A test checks
-        # these two, the output and dL/dx against autograd through a dense W0 + s B A. Under bf16
-        # autocast, A's gradient is exactly off M (P applied in float32), B's accurate to bf16:
-        # harmless, as a step dB changes dW M = s dB (A M) by nothing while A M = 0.
+        # dL/dB = s G (A P)^T = s (G P) A^T = s G_safe A^T, as P is symmetric. (The tests check
+        # both, the output and dL/dx against autograd through a dense W0 + s B A.)
+        # Under bf16 autocast, A's gradient is off M to float32's round-off (P applied in
+        # float32), B's accurate to bf16: harmless, as dB changes dW M = s dB (A M) by nothing
+        # while A M = 0.
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dtype = torch.promote_types(self.A.dtype, torch.float32)
             A, M = self.A.to(dtype), self.M.to(dtype)
@@ -335,8 +348,9 @@ def rectify_gradients_(layers, delta):
     A = torch.stack([layer.A.detach() for layer in layers])  # (L, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (L, d_out, r)
     s = layers[0].scale
-    # Autograd left the chain rule of G_safe: s B^T G_safe and s G_safe A^T. Eq. (4) as printed,
-    # (dW)^T B and A^T dW, has the shapes wrong and no s; GR's Eqs. (6)-(7) take these without s.
+    # GR's Eqs. (6)-(7) use G_safe only through B^T G_safe = A.grad / s and G_safe A^T =
+    # B.grad / s, the chain rule's, which autograd left. (Eq. (4) as printed, (dW)^T B and
+    # A^T dW, has the shapes wrong and no s.)
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
@@ -356,7 +370,9 @@ def rectify_factors(BtG, GAt, A, B, scale, delta):
     # non-convex but is linear least squares in (dA, dB). If A M = 0, then P_A M = 0, and as
     # G M = 0, s (B dA + dB A) M = 0: it stays off M. Eq. (5) fits s (B dA + dB A), hence the
     # 1/s. dA scales as 1 / |B|: large while B is small, and 0 at a task's first step, where
-    # B = 0; Adam, which scales each coordinate's step to about lr, undoes that scaling.
+    # B = 0. Adam's steps are about lr whatever the gradient's size, and its second moment
+    # (beta2 = 0.999) remembers the large early dA, which damps A's later steps: roughly, Adam
+    # undoes that scaling.
     dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6), delta relative (ours)
     RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T = G A^T - s B (dA A^T): neither R nor G formed
     # Eq. (7) transposed, dB^T = (A A^T)^-1 (R A^T)^T / s, as spd_solve solves from the left.
@@ -393,11 +409,13 @@ class OnlineSubspace:
     def __init__(self, blocks, dim, k, lr=1.0, decay_steps=5, device=None):
         self.k, self.lr, self.decay_steps = k, lr, decay_steps
         self.V = fresh_basis(torch.zeros(blocks, dim, 0, device=device), k)  # (L, D, k)
-        self.t = 0  # this task's steps so far: the step size decays with them
+        self.t = 0  # steps so far, this task's (the run's under oe-rolling): eta decays with them
 
     @torch.no_grad()
     def update(self, X, memory):
-        """One step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2 per block. Ours: the samples X_p are
+        """One step of OE on each block: V <- orth((1 - eta) V + eta X_p^T X_p V S^-1), eta =
+        oe_lr d / (d + t), a damped power iteration on each batch's K/V inputs, off M. It is a
+        step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2, derived below. Ours: the samples X_p are
         all the batch's tokens, off the memory: X_p = X (I - M M^T). X: each block's K/V inputs
         (..., D); memory: each block's M (D, m)."""
         V, M = self.V, stack_blocks(memory)  # (L, D, k), (L, D, m)
@@ -420,7 +438,7 @@ class OnlineSubspace:
             CS.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))  # (D, k): X^T X_p V S^-1
         CS = off_span(torch.stack(CS), M)  # C S^-1 = (I - M M^T) X^T X_p V S^-1
         grad = -(CS - V @ (V.mT @ CS))  # ours: Eq. (8)'s gradient at V^T V = I, times S^-1
-        # Ours: eta decays as 5 / (5 + t), which averages the batches' noise.
+        # Ours: eta = oe_lr d / (d + t), 5 / (5 + t) with the defaults: it averages the noise.
         lr = self.lr * self.decay_steps / (self.decay_steps + self.t)
         V_tilde = V - lr * grad  # Eq. (9), its step preconditioned by S^-1 (ours)
         Q = qr_q(V_tilde)  # Eq. (10): V <- Q of V_tilde = QR; ours: R's diagonal > 0, no flips
@@ -471,7 +489,8 @@ def fresh_basis(M, k):
     L, D, m = M.shape
     # drawn on the CPU, so that a run's random numbers do not depend on the device
     V = torch.randn(L, D, min(k, D - m)).to(M.device)
-    # Q with R's diagonal > 0, as Gram-Schmidt's: uniform. LAPACK's Q alone is not: V[0, 0] <= 0.
+    # Q with R's diagonal > 0, as Gram-Schmidt's: uniform. A QR's Q alone is not (LAPACK's gives
+    # R a negative diagonal), and its signs would depend on the device's QR.
     Q, R = torch.linalg.qr(off_span(V, M))
     return Q * R.diagonal(dim1=-2, dim2=-1).sign()[..., None, :]
 
@@ -501,7 +520,7 @@ def qr_q(V):
 
 
 # ==== 2. Ours and the baselines ===================================================================
-# ---- Ours: --rectify update, GR on the step that Adam proposes (README) --------------------------
+# ---- Ours: --rectify update, GR on Adam's step, which Adam's scaling moved off the safe set ------
 def rectified_adam_step_(opt, layers, delta):
     """Adam proposes a step, which GR then rectifies against each layer's memory M."""
     before = [(layer.A.detach().clone(), layer.B.detach().clone()) for layer in layers]
@@ -594,7 +613,7 @@ def build_model(cfg):
 
 def compiled(cfg):
     """Whether the ViT's blocks run compiled. --compile auto compiles on CUDA, where a whole run
-    gains from it (README: Speed), and not on a CPU, where TorchInductor needs a C++ compiler."""
+    gains from it, and not on a CPU, where TorchInductor needs a C++ compiler."""
     return cfg.compile == "on" or (cfg.compile == "auto" and cfg.device.startswith("cuda"))
 
 
@@ -852,7 +871,7 @@ METRICS = {
     "violation": (lambda r: mean([v for n in "kv" for vs in r["violation"][n] for v in vs]), ".2e",
                   "Fig. 2: the share of each update on the memory M, ||dW M|| / ||dW||"),
     "danger": (lambda r: mean([g["danger"] for g in r["geometry"] if g]), ".3f", "Fig. 3: the "
-               "share of the test images within cosine 0.5 of an old class's prototype"),
+               "share of the test images with a cosine above 0.5 to an old class's prototype"),
     "M width": (lambda r: mean(r["memory"][-1]), ".1f", "the columns of a block's memory M after "
                 "the last task, the mean over the blocks"),
     "s / task": (lambda r: mean(r["task_seconds"]), ".1f", "a task's training time, with the "
@@ -888,7 +907,7 @@ def record_analyses(record, learner, t, factors, memory, splits, cfg):
           f"{mean(past):.3g} (RMS), its own by {mean(now):.3g} "
           f"(Fig. 2); ||dW M|| / ||dW|| {violations[0]} (K), {violations[1]} (V); "
           f"{100 * record['geometry'][-1]['danger']:.1f}% of its test images in DML's danger "
-          "zone, within cosine 0.5 of an old class (Fig. 3)", flush=True)
+          "zone, a cosine above 0.5 to an old class (Fig. 3)", flush=True)
 
 
 @torch.no_grad()
