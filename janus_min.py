@@ -12,40 +12,47 @@ train_task (a loop of train_step), end_task, evaluate, record_analyses and run's
 which saves the run's state. To read the method, go straight to train_step, part 1's first.
 
 Where the code reads the paper differently, or fills a silence (the README says why):
-- M, not V: the safe gradient projects with M, the finished tasks' OE bases (the basis memory of
-  the paper's Fig. 1), one a block for K and V (protected). At a task's end V's directions join
-  M, the most energetic on the task's K/V inputs first, until M holds --oe-share (0.99) of their
-  energy (OnlineSubspace.merge): M grows by what each task needs, where all k columns a task
-  would fill ViT-B's 768 in task 16 at k = 50 and stop K and V learning. --memory oe-rolling
-  projects with V, as the paper's words read, one V estimating all the tasks' inputs.
-- G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix says the task's (train_step).
-  GR's gradients, which the paper hands to Adam, do not keep the update off M: Adam's
-  per-coordinate scaling moves it (LoRALinear; ours, --rectify update, does).
-- OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T); its step comes after
-  Adam's, on the K/V inputs of the forward pass before it (OnlineSubspace.update, train_step).
-- OE's step, Eq. (9), is preconditioned by S^-1, S = V^T X_p^T X_p V plus a ridge of 1e-6 of its
-  mean eigenvalue, and eta = oe_lr d / (d + t) after t steps, 5 / (5 + t) with the defaults;
-  Eq. (10)'s R has a positive diagonal (OnlineSubspace.update, qr_q).
-- The prototypes, and the energies that M's rule weighs, need a pass over each task's training
+- The memory. The safe gradient projects with M, the finished tasks' OE bases (the basis memory of
+  the paper's Fig. 1), not with the current task's V: projecting out the task's own subspace would
+  remove most of its gradient. K and V of a block share their input, and so one M. At the end of
+  each task its V, all k columns, joins M (OnlineSubspace.merge): M grows by k columns per task,
+  and a block whose M is full (ViT-B at k = 50, in task 16) learns no more in K and V. Two other
+  rules are ours and opt-in: --oe-share adds only the directions of V that bring M to that share
+  of the task's K/V-input energy, and --memory oe-rolling projects with V itself, one V estimating
+  all the tasks' inputs, as the paper's words can be read.
+- G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix names the task loss's. Eq. (4)
+  as printed has the wrong shapes and no s: the chain rule gives s B^T G and s G A^T, which GR's
+  Eqs. (6)-(7) take divided by s (rectify_gradients_).
+- GR's delta is Appendix B's Tikhonov constant. The paper gives no value: Config says why 1e-6.
+- GR hands its factor gradients to Adam, as the paper says. Adam's per-coordinate scaling moves
+  the step out of the safe set, and it drops the 1 / ||B|| size of A's step that GR relies on
+  (rectify_factors). Ours, --rectify update, rectifies Adam's step instead.
+- OE's samples are all the batch's tokens, taken off M: X_p = X (I - M M^T). OE steps after
+  Adam's step, on the K/V inputs of the forward pass before it (OnlineSubspace.update).
+- OE's step replaces Eq. (9)'s plain gradient step (ours): it is preconditioned by S^-1, with
+  S = V^T X_p^T X_p V plus a ridge of 1e-6 of its mean eigenvalue, and its size is eta =
+  oe_lr d / (d + t) after t steps, 5 / (5 + t) with the defaults. Eq. (10)'s R is taken with a
+  positive diagonal (OnlineSubspace.update, qr_q).
+- DML's old prototypes (and the energies of --oe-share) need a pass over each task's training
   images at its end, though the paper calls OE free of offline passes: one forward pass, about
-  half an epoch's compute (a frozen backbone's backward costs about its forward) (end_task).
-- GR's ridge delta is relative to the mean eigenvalue of B^T B, or of A A^T (ridge).
-- Eq. (4) as printed has the wrong shapes and no s: the chain rule gives s B^T G and s G A^T,
-  and GR's Eqs. (6)-(7) take them without s (rectify_gradients_).
-- DML's z is the class token after the final LayerNorm, the heads' input (train_step). Its
-  current prototypes are the batch's unit class means, in the graph; its hinge is averaged
-  over the batch and the old prototypes: each finished class's unit mean of the unit features of
-  its training images, under the test transform (dml_loss, end_task, class_prototypes).
-- LoRA's life: s = 1; each task a fresh pair, A off M and B = 0, merged into W0 at the task's end
-  (LoRALinear.reset_, LoRALinear.merge_).
-- Under bf16 autocast A's split off M and OE's products stay in float32, GR and the small systems
-  run in float64 (LoRALinear.forward, rectify_factors, OnlineSubspace.update).
-- Ours beside the paper's: GR on Adam's step, --rectify update (rectified_adam_step_); the
-  task-aware accuracy (evaluate); Fig. 2's violation relative, ||dW M|| / ||dW|| (violation).
+  half an epoch's compute, as a frozen backbone's backward costs about its forward (end_task).
+- DML's z is the class token after the final LayerNorm, the heads' input (train_step). The current
+  prototypes are the batch's unit class means, each sample in its own class's, and the gradient
+  flows through them. So a class with one sample in the batch has z.p = 1: that sample gets no
+  pull toward its class, only the push away from the others. The hinge is averaged over the batch
+  and the old prototypes, each a finished class's unit mean of the unit features of its training
+  images, under the test transform (dml_loss, end_task, class_prototypes).
+- LoRA's life: s = 1. Each task starts a fresh pair, A drawn off M and B = 0, and folds s B A into
+  W0 at its end (LoRALinear.reset_, merge_). B = 0 is a choice: with GR, a task's first dA is 0.
+- Under bf16 autocast, A's split off M and OE's products stay in float32, and GR and the small
+  systems run in float64 (LoRALinear.forward, rectify_factors, OnlineSubspace.update).
+- Ours beside the paper's: GR on Adam's step, --rectify update (rectified_adam_step_); the frozen
+  backbone's control, --method frozen; the task-aware accuracy (evaluate); Fig. 2's violation
+  made relative, ||dW M|| / ||dW|| (violation).
 - The protocol is the InfLoRA codebase's: a head per task, trained by the current head's
-  cross-entropy, the argmax over all heads at test (train_step, evaluate); inputs in [0, 1]
-  (Config.input_range), classes in natural order (data.task_classes), a fresh Adam and lr
-  schedule each task (adam, lr_factor), GPM's thresholds (end_task, gpm_extend).
+  cross-entropy, and the argmax over all heads at test (train_step, evaluate); inputs in [0, 1]
+  (Config.input_range); classes in natural order (data.task_classes); a fresh Adam and lr schedule
+  per task (adam, lr_factor); GPM's thresholds (end_task, gpm_extend).
 
 References: C. Chen et al., "JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning",
 ICML 2026. The protocol is that of the InfLoRA codebase (Liang & Li, CVPR 2024), on which the paper
@@ -139,7 +146,8 @@ class Config:
     weights: str = _opt("in21k", "in21k (the paper's), sam, dino (Table 4), none, or a file")
     patch_size: int = _opt(16, "patch size (the paper's: 16; another needs --weights none)",
                            type=COUNT)
-    rank: int = _opt(10, "LoRA rank r on K and V (Sec. 4.1)", type=COUNT)
+    rank: int = _opt(10, "LoRA rank r on K and V (Sec. 4.1); 0: no adapter, only the heads train "
+                     "(the frozen-backbone control)", type=NATURAL)
     lora_scale: float = _opt(1.0, "LoRA scale s of Eq. (1) (ours: the paper does not give it)",
                              type=POSITIVE)
     # The method (Sec. 3 and 4.1), and our readings where the paper is silent (the list above).
@@ -148,15 +156,23 @@ class Config:
                      type=POSITIVE)
     schedule: str = _opt("inflora", "lr per epoch: InfLoRA's quarter cosine, or a half cosine",
                          choices=["inflora", "cosine"])
-    k: int = _opt(50, "rank k of each block's OE basis V (Sec. 4.1); M grows by k a task (ours)",
-                  type=COUNT)
+    k: int = _opt(50, "rank k of each block's OE basis V (Sec. 4.1): at the end of each task its k "
+                  "columns join the block's memory M", type=COUNT)
     oe_lr: float = _opt(1.0, "OE's first step eta, at a task's start (the run's under oe-rolling);"
                         " at 1, a step of subspace iteration (ours)", type=POSITIVE)
     oe_decay_steps: int = _opt(5, "OE's step halves after this many, then decays as 1/t (ours)",
                                type=COUNT)
-    oe_share: float = _opt(0.99, "the share of a task's K/V-input energy that M holds after it: "
-                           "V's directions join M until it does (ours; 1: all k)", type=SHARE)
-    delta: float = _opt(1e-4, "GR's ridge delta, relative to the mean eigenvalue (ours)",
+    oe_share: float = _opt(1.0, "ours: V's directions join M only until M holds this share of "
+                           "the task's K/V-input energy (1: all k columns, the paper's)",
+                           type=SHARE)
+    # Appendix B's Tikhonov constant; the paper gives no value. Along a direction of B with singular
+    # value sigma, Eq. (6) scales G_safe's part by sigma / (sigma^2 + delta): GR's exact 1 / sigma
+    # where sigma^2 >> delta, and at most 1 / (2 sqrt(delta)) where B is weak. "Small": Adam's
+    # first step moves each entry of B by about lr, so that sigma^2 is about d_out lr^2, 4.8e-5
+    # for ViT-Ti and 1.9e-4 for ViT-B at lr 5e-4; 1e-6 is 50 to 200 times smaller, and damps only
+    # B's weakest directions. "Numerical stability": the gain stays below 500, and the float64
+    # solves are accurate for any B.
+    delta: float = _opt(1e-6, "GR's Tikhonov constant delta of Eqs. (6)-(7) (Appendix B)",
                         type=POSITIVE)
     margin: float = _opt(0.3, "DML's margin m (Sec. 4.1)", type=NON_NEGATIVE)
     lambda_dml: float = _opt(1.0, "DML's weight lambda in Eq. (12) (Sec. 4.1)", type=NON_NEGATIVE)
@@ -304,7 +320,8 @@ class LoRALinear(nn.Linear):
         """A fresh pair for a new task: A Kaiming-uniform, as nn.Linear's weight, with its rows
         moved off span(M), so that the update starts off the memory (ours); B = 0."""
         # drawn on the CPU, so that a run's random numbers do not depend on the device
-        self.A.copy_(nn.init.kaiming_uniform_(torch.empty(self.A.shape), a=math.sqrt(5)))
+        if self.A.numel():  # rank 0, no adapter: nothing to draw
+            self.A.copy_(nn.init.kaiming_uniform_(torch.empty(self.A.shape), a=math.sqrt(5)))
         if M is not None:
             M = M.to(self.A.dtype)
             self.A -= (self.A @ M) @ M.T
@@ -360,23 +377,27 @@ def rectify_gradients_(layers, delta):
 
 
 def rectify_factors(BtG, GAt, A, B, scale, delta):
-    """GR from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone: G_safe itself,
-    d_out x d_in, is never formed. In float64, as the r x r systems can be ill-conditioned."""
+    """GR, Eqs. (6)-(7), from B^T G_safe (..., r, d_in) and G_safe A^T (..., d_out, r) alone:
+    G_safe itself, d_out x d_in, is never formed. In float64, as the r x r systems can be
+    ill-conditioned.
+
+    Why it is right (delta -> 0, G = G_safe, P_B = B (B^T B)^-1 B^T, P_A = A^T (A A^T)^-1 A):
+    s B dA = P_B G, R = (I - P_B) G and s dB A = R P_A. The residual (I - P_B) G (I - P_A) is
+    orthogonal to every B X + Y A, so this is the exact minimiser of Eq. (5), a linear least
+    squares problem in (dA, dB), not the non-convex one the paper names. If A M = 0, then
+    P_A M = 0, and as G M = 0 the composite s (B dA + dB A) stays off M.
+
+    What it asks of the optimizer: dA is sized 1 / sigma(B), so that s B dA = P_B G, and B's step
+    holds only G's part outside span(B). Adam steps each entry by about lr whatever that size, so
+    W moves by about ||B|| lr per step inside span(B), and once span(B) holds the task's
+    directions, B's gradient vanishes and ||B|| stays small (the README's "GR under Adam")."""
     dtype = BtG.dtype
     BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
-    # Why (delta -> 0; G = G_safe; P_B = B (B^T B)^-1 B^T, P_A = A^T (A A^T)^-1 A): s B dA = P_B G,
-    # R = (I - P_B) G and s dB A = R P_A = (I - P_B) G P_A. The residual (I - P_B) G (I - P_A) is
-    # orthogonal to every B X + Y A: this is the exact minimiser of Eq. (5), which the paper calls
-    # non-convex but is linear least squares in (dA, dB). If A M = 0, then P_A M = 0, and as
-    # G M = 0, s (B dA + dB A) M = 0: it stays off M. Eq. (5) fits s (B dA + dB A), hence the
-    # 1/s. dA scales as 1 / |B|: large while B is small, and 0 at a task's first step, where
-    # B = 0. Adam's steps are about lr whatever the gradient's size, and its second moment
-    # (beta2 = 0.999) remembers the large early dA, which damps A's later steps: roughly, Adam
-    # undoes that scaling.
-    dA = spd_solve(ridge(gram(B), delta), BtG) / scale  # Eq. (6), delta relative (ours)
+    eye = delta * torch.eye(B.shape[-1], dtype=B.dtype, device=B.device)  # (r, r)
+    dA = spd_solve(gram(B) + eye, BtG) / scale  # Eq. (6), with Appendix B's delta
     RAt = GAt - scale * B @ (dA @ A.mT)  # R A^T = G A^T - s B (dA A^T): neither R nor G formed
     # Eq. (7) transposed, dB^T = (A A^T)^-1 (R A^T)^T / s, as spd_solve solves from the left.
-    dB = spd_solve(ridge(gram(A.mT), delta), RAt.mT).mT / scale
+    dB = spd_solve(gram(A.mT) + eye, RAt.mT).mT / scale
     return dA.to(dtype), dB.to(dtype)
 
 
@@ -408,7 +429,7 @@ class OnlineSubspace:
 
     def __init__(self, blocks, dim, k, lr=1.0, decay_steps=5, device=None):
         self.k, self.lr, self.decay_steps = k, lr, decay_steps
-        self.V = fresh_basis(torch.zeros(blocks, dim, 0, device=device), k)  # (L, D, k)
+        self.V = fresh_basis([torch.zeros(dim, 0, device=device)] * blocks, k)  # (L, D, k)
         self.t = 0  # steps so far, this task's (the run's under oe-rolling): eta decays with them
 
     @torch.no_grad()
@@ -462,12 +483,13 @@ class OnlineSubspace:
 
     @torch.no_grad()
     def merge(self, memory, energies=(), share=1.0):
-        """A task's end (ours): each block's M takes the fewest of V's directions, the most
-        energetic first, that bring the share of the task's K/V-input energy in span(M) to
-        `share`; all of V without `energies` (a list of energies(), over the task's batches).
-        Returns the new memory, and starts a fresh V off it for the next task."""
+        """A task's end: each block's M takes all of V, the paper's k columns (or fewer, where M
+        has no room for k). Ours, with `energies` (a list of energies(), over the task's batches):
+        the fewest of V's directions, the most energetic first, that bring the share of the task's
+        K/V-input energy in span(M) to `share`. Returns the new memory, and starts a fresh V off
+        it for the next task."""
         V = self.V  # (L, D, k)
-        n = [V.shape[-1]] * len(memory)
+        n = [min(self.k, M.shape[0] - M.shape[1]) for M in memory]  # V's columns, each block's
         if energies and share < 1:
             total, held, S = (sum(e) for e in zip(*energies))  # (L,), (L,), (L, k, k)
             # V U, U the eigenvectors of S: V's directions, each holding its eigenvalue's energy
@@ -475,24 +497,29 @@ class OnlineSubspace:
             energy, U = torch.linalg.eigh(S.double())
             energy, U = energy.flip(-1), U.flip(-1)  # the most energetic first
             before = held[:, None] + energy.cumsum(-1) - energy  # in span(M) before each joins
-            n = (before < share * total[:, None]).sum(-1).tolist()
+            wanted = (before < share * total[:, None]).sum(-1).tolist()
+            n = [min(j, room) for j, room in zip(wanted, n)]
             V = V @ U.to(V.dtype)
         memory = [torch.linalg.qr(torch.cat([M, v[:, :j]], dim=-1)).Q
                   for M, v, j in zip(memory, V, n)]
-        self.V = fresh_basis(stack_blocks(memory), self.k)
+        self.V = fresh_basis(memory, self.k)
         return memory
 
 
-def fresh_basis(M, k):
-    """A random orthonormal V (L, D, k) off M (L, D, m), uniform (Haar) among those; a full memory
-    leaves no room for it."""
-    L, D, m = M.shape
+def fresh_basis(memory, k):
+    """A random orthonormal V (L, D, k) off each block's memory M (D, m), uniform (Haar) among
+    those. A block with room for fewer than k columns, D - m, gets that many, then zero columns;
+    a full memory leaves no room at all."""
+    M = stack_blocks(memory)  # (L, D, m)
+    L, D, _ = M.shape
+    room = torch.tensor([min(k, D - m.shape[1]) for m in memory])  # (L,)
     # drawn on the CPU, so that a run's random numbers do not depend on the device
-    V = torch.randn(L, D, min(k, D - m)).to(M.device)
+    V = torch.randn(L, D, int(room.max())).to(M.device)
     # Q with R's diagonal > 0, as Gram-Schmidt's: uniform. A QR's Q alone is not (LAPACK's gives
     # R a negative diagonal), and its signs would depend on the device's QR.
     Q, R = torch.linalg.qr(off_span(V, M))
-    return Q * R.diagonal(dim1=-2, dim2=-1).sign()[..., None, :]
+    keep = torch.arange(V.shape[-1]) < room[:, None]  # (L, k): the columns each block has room for
+    return Q * (R.diagonal(dim1=-2, dim2=-1).sign() * keep.to(M.device))[..., None, :]
 
 
 def off_span(V, M):
@@ -506,7 +533,7 @@ def rows_off_span(G, M):
 
 
 def stack_blocks(memory):
-    """Each block's memory (D, m_i) as one (L, D, m), zero columns padding GPM's narrower ones."""
+    """Each block's memory (D, m_i) as one (L, D, m), zero columns padding the narrower ones."""
     m = max(M.shape[1] for M in memory)
     return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memory])
 
@@ -515,7 +542,9 @@ def qr_q(V):
     """Eq. (10)'s Q of V = QR (..., n, k) with R's diagonal > 0: V^T V = R^T R, so R^T is the
     Cholesky factor of V^T V, and Q = V R^-1. OE's V~^T V~ >= I (OnlineSubspace.update) keeps the
     Cholesky safe; in float64, far faster than QR."""
-    R = torch.linalg.cholesky_ex(gram(V)).L.mT
+    G = gram(V)
+    G = G + torch.diag_embed((G.diagonal(dim1=-2, dim2=-1) == 0).to(G.dtype))  # a zero column: 0
+    R = torch.linalg.cholesky_ex(G).L.mT
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
 
 
@@ -677,8 +706,8 @@ def start_task(learner, t, tasks, splits, cfg):
     M = protected(learner, cfg)
     for j, layer in enumerate(lora_layers(model)):
         layer.M = M[j // 2]  # K and V of block j // 2 share its input, and so its memory
-        layer.A.requires_grad_(cfg.lora_a == "trained")  # InfLoRA trains B alone
-        layer.B.requires_grad_(True)
+        layer.A.requires_grad_(cfg.lora_a == "trained" and cfg.rank > 0)  # InfLoRA: B alone
+        layer.B.requires_grad_(cfg.rank > 0)  # rank 0: no adapter, the backbone frozen
     if learner.oe is not None and cfg.memory == "oe":
         learner.oe.t = 0  # each task's fresh V starts with large steps; --memory oe-rolling's V
         # goes on with the steps of the whole run: it estimates all the tasks' inputs
@@ -770,10 +799,11 @@ def end_task(learner, t, tasks, splits, cfg):
     the task's factors (A, B) of each layer from before the merge, for the analyses."""
     images = data.subset(splits.train_eval, tasks[t])  # the test transform
     oe_memory = cfg.oe and cfg.memory == "oe"
-    measure = partial(learner.oe.energies, memory=learner.memory) if oe_memory else None
+    weighed = oe_memory and cfg.oe_share < 1  # ours: the energies that M's rule weighs
+    measure = partial(learner.oe.energies, memory=learner.memory) if weighed else None
     z, y, energies = features(learner.model, images, cfg, measure)  # ours: one pass for both
     learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
-    if oe_memory:  # ours: V's directions join the memory until it holds the task's energy
+    if oe_memory:  # V joins the memory: all of it, or (ours) until M holds the task's energy
         learner.memory = learner.oe.merge(learner.memory, energies, cfg.oe_share)
     elif cfg.oe and cfg.memory == "gpm":  # a pass over the task's images: what OE avoids
         C = kv_covariance(learner.model, images, cfg)
@@ -891,6 +921,9 @@ def record_analyses(record, learner, t, factors, memory, splits, cfg):
     width = str(lo) if lo == hi else f"{lo}-{hi}"
     line = (f"seed {record['seed']} task {t + 1} analyses: M holds {width} of "
             f"{learner.model.embed_dim} columns a block")
+    if full := record["memory"][-1].count(learner.model.embed_dim):  # the paper's k per task
+        line += (f" ({full} of {len(record['memory'][-1])} blocks full: their K and V learn "
+                 f"nothing from task {t + 2} on)")
     if t == 0:  # no past tasks, no old prototypes
         record["interference"].append(None)
         record["geometry"].append(None)
@@ -976,6 +1009,8 @@ def duration(seconds):
 # ==== 4. The program: flags, a run's folder and state, outputs, --reproduce, --benchmark =========
 # --method NAME: its flags, and its name in the paper's tables.
 METHODS = {"janus": ("", "Janus-LoRA"),
+           "frozen": ("--rank 0 --no-oe --no-gr --no-dml", "the frozen backbone, heads alone "
+                      "(the control of SimpleCIL, Zhou et al. 2023; ours)"),
            "janus-update": ("--rectify update", "Janus-LoRA, GR on Adam's step (ours)"),
            "janus-rolling": ("--memory oe-rolling", "Janus-LoRA, M = V"),
            "finetune": ("--no-oe --no-gr --no-dml", "Fine-Tuning"),
@@ -1070,6 +1105,8 @@ def check(cfg):
             (cfg.img_size % cfg.patch_size == 0, "--img-size: a multiple of --patch-size"),
             (cfg.lora_a == "trained" or not cfg.gr, "--lora-a inflora freezes A, which GR "
              "trains: add --no-gr"),
+            (cfg.rank > 0 or not cfg.gr, "--rank 0 trains no adapter for GR to rectify: add "
+             "--no-gr"),
             (len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: name each seed once"),
             (cfg.row in (None, *rows), f"--row {cfg.row}: not a row of the --reproduce set"),
             (cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
@@ -1346,6 +1383,22 @@ def plot_sweep(fig, rows):
         ax.set(xlabel=flag(key), xticks=x, ylabel="points" if metric == "BWT" else "%")
 
 
+def plot_efficiency(fig, rows):
+    """The appendix's efficiency figures: each row's training time per task, the cumulative time
+    and each epoch's throughput over the run, the mean over its seeds."""
+    axes = fig.subplots(1, 3)
+    for i, (name, row) in enumerate(rows.items()):
+        seconds = torch.tensor([r["task_seconds"] for r in row["runs"]]).mean(0)  # (T,)
+        speeds = torch.tensor([sum(r["throughput"], []) for r in row["runs"]]).mean(0)  # (T E,)
+        for ax, y in zip(axes, (seconds, seconds.cumsum(0), speeds)):
+            ax.plot(range(1, len(y) + 1), y, f"{'osD^v<>ph*'[i % 10]}-C{i % 10}", mfc="none",
+                    label=name)
+    for ax, title, x, y in zip(axes, ("per-task training time", "cumulative training time",
+                                      "throughput"), ("task", "task", "epoch of the run"),
+                               ("s", "s", "images / s")):
+        ax.set(title=title, xlabel=x, ylabel=y)
+
+
 def nan(value):
     """A value for matplotlib, which leaves NaN out: None, undefined, as NaN."""
     return math.nan if value is None else value
@@ -1360,16 +1413,19 @@ RUN_FIGURES = {**FIG5, "analyses.png": ("Figs. 2 and 3: the null-space violation
 # ---- --reproduce: every row of a table or figure of the paper, in one command --------------------
 # NAME: (what it reproduces, {row: its flags}, its figures); the sweeps' values: the paper's text's
 REPRODUCE = {
-    "demo": ("the quick start (ours): Janus-LoRA beside Fine-Tuning, and with GR on Adam's step",
-             {"finetune": "--method finetune", "janus": "--method janus",
-              "janus-update": "--method janus-update"}, FIG5),
+    "demo": ("the quick start (ours): Janus-LoRA beside the frozen backbone and Fine-Tuning, "
+             "and with GR on Adam's step",
+             {m: f"--method {m}" for m in ("frozen", "finetune", "janus", "janus-update")}, FIG5),
     "ablation": ("Table 1: OE, GR, DML on and off (rows 1-7)", dict(zip("1234567", [
         "--no-oe --no-gr --no-dml", "--no-oe --no-gr", "--no-gr --no-dml", "--no-oe --no-dml",
         "--no-dml", "--no-gr", ""])), FIG5),
     "methods": ("Tables 2 and 3: the methods we implement",
-                {m: f"--method {m}" for m in ("finetune", "lora-gpm", "inflora", "janus")}, FIG5),
+                {m: f"--method {m}" for m in ("frozen", "finetune", "lora-gpm", "inflora",
+                                              "janus")}, FIG5),
     "oe-vs-gpm": ("Table 5: OE against GPM in one epoch (Janus-LoRA otherwise; our reading)",
-                  {"gpm": "--memory gpm --epochs 1", "oe": "--epochs 1"}, {}),
+                  {"gpm": "--memory gpm --epochs 1", "oe": "--epochs 1"},
+                  {"efficiency.png": ("the appendix's efficiency figures: the time per task, the "
+                                      "cumulative time, the throughput", plot_efficiency)}),
     "gr-plugin": ("Fig. 6: GR as a plug-in to LoRA-GPM",
                   {m: f"--method {m}" for m in ("lora-gpm", "lora-gpm-gr")},
                   {"gr_plugin.png": ("Fig. 6: before and after GR", plot_gr_plugin)}),
@@ -1461,7 +1517,7 @@ def mid_run_learner(cfg, backbone, m, classes):
     if cfg.oe:
         learner.memory = list(torch.linalg.qr(torch.randn(L, D, m)).Q.to(cfg.device))
         if learner.oe is not None:  # GPM's memory comes with no OE basis
-            learner.oe.V = fresh_basis(stack_blocks(learner.memory), cfg.k)
+            learner.oe.V = fresh_basis(learner.memory, cfg.k)
         for j, layer in enumerate(lora_layers(learner.model)):
             layer.reset_(learner.memory[j // 2])
     prototypes = F.normalize(torch.randn(classes * (cfg.tasks // 2), D), dim=1)

@@ -839,7 +839,7 @@ def test_safe_gradient_is_the_constrained_optimum(device, d_out):
     assert torch.equal(jm.rows_off_span(G, X_past[:, :0]), G)  # an empty memory: unchanged
 
 
-def rectify(G_safe, A, B, s, delta=1e-4):  # Eqs. (6)-(7) for a dense G_safe (d_out, d_in)
+def rectify(G_safe, A, B, s, delta=jm.Config.delta):  # Eqs. (6)-(7) of a dense G_safe
     return jm.rectify_factors(B.mT @ G_safe, G_safe @ A.mT, A, B, s, delta)
 
 
@@ -1118,6 +1118,21 @@ def test_merge_takes_the_fewest_of_vs_directions_that_bring_m_to_the_share():
         assert float((M.double() @ M.double().T - expected @ expected.T).abs().max()) < 1e-5
         assert float((M.T @ M - torch.eye(m + n)).abs().max()) < 1e-5
     assert float((jm.stack_blocks(new).mT @ sub.V).abs().max()) < 1e-5
+
+
+def test_each_blocks_basis_has_the_room_that_its_own_memory_leaves():
+    """A fresh V gives each block min(k, D - m) columns off its own M, then zero columns: memories
+    of widths 0 and 7 in D = 8 at k = 4 give 4 and 1. OE's steps keep them so; merge adds them."""
+    g = torch.Generator().manual_seed(0)
+    memory = [torch.zeros(8, 0), orthonormal(8, 7, dtype=torch.float32, gen=g)]
+    sub = jm.OnlineSubspace(2, 8, 4)
+    sub.V = jm.fresh_basis(memory, 4)
+    for step in range(3):
+        for V, M, n in zip(sub.V, memory, (4, 1)):
+            assert torch.allclose(V[:, :n].T @ V[:, :n], torch.eye(n), atol=1e-5), step
+            assert not V[:, n:].any() and float((M.T @ V).norm()) < 1e-5, step
+        sub.update([torch.randn(5, 8, generator=g)] * 2, memory)
+    assert [M.shape[1] for M in sub.merge(memory)] == [4, 8]
 
 
 def test_dml_terms_direction_and_prototypes():
@@ -1400,7 +1415,7 @@ def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_m
         assert past == pytest.approx(expected, abs=1e-5 * float(dW.norm() * X.norm() / 8))
 
 
-def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=1e-4, memory=None):
+def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=jm.Config.delta, memory=None):
     """Adam on one LoRA layer that protects memory; gr: None, 'grad', 'update'; sub: an OE."""
     opt, g = torch.optim.Adam([layer.A, layer.B], lr=lr), torch.Generator().manual_seed(0)
     layer.M = torch.zeros(X.shape[1], 0) if memory is None else memory
@@ -1462,6 +1477,115 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
     assert a / b >= 100 and results["update, GR's split"][0] <= 1e-3  # same protection, lopsided
 
 
+def test_gr_under_adam_stalls_once_span_b_holds_the_target_and_sgd_does_not():
+    """One 192 x 192 LoRA layer (r = 10, B = 0 at the start) fits a rank-3 W* by (1/2) ||B A -
+    W*||^2 in 300 steps. GR gives B only G's part outside span(B): once span(B) holds W*'s columns,
+    B's gradient is 0 and ||B|| stays small. GR sizes A's step 1 / sigma(B), so that s B dA =
+    P_B G; SGD keeps that size and fits W*, but Adam's steps are about lr per entry whatever their
+    size, so W moves by about ||B|| lr a step. Plain LoRA with Adam grows B and learns."""
+    g = torch.Generator().manual_seed(0)
+    U = torch.randn(192, 3, generator=g)
+    W = U @ torch.randn(3, 192, generator=g) / math.sqrt(192)
+    fits = {}
+    for name, gr, make in (("plain, Adam", False, functools.partial(torch.optim.Adam, lr=5e-4)),
+                           ("GR, Adam", True, functools.partial(torch.optim.Adam, lr=5e-4)),
+                           ("GR, SGD", True, functools.partial(torch.optim.SGD, lr=0.5))):
+        torch.manual_seed(0)
+        layer, norms, steps = jm.LoRALinear(192, 192, 10, 1.0), [], []
+        layer.weight.data.zero_()  # W0 = 0 with inputs I: the layer's output is (B A)^T
+        layer.bias.data.zero_()
+        layer.M, opt = torch.zeros(192, 0), make([layer.A, layer.B])
+        for _ in range(300):
+            opt.zero_grad()
+            (layer(torch.eye(192)) - W.T).square().sum().div(2).backward()
+            if gr:
+                jm.rectify_gradients_([layer], jm.Config.delta)
+            A = layer.A.detach().clone()
+            opt.step()
+            norms.append(float(layer.B.detach().norm()))
+            steps.append(float((layer.A.detach() - A).norm()))
+        B = layer.B.detach()
+        residual = float((B @ layer.A.detach() - W).norm() / W.norm())
+        fits[name] = (residual, norms, steps, _sin_largest_angle(torch.linalg.qr(U).Q,
+                                                                 torch.linalg.qr(B).Q))
+        print(f"{name}: ||B A - W*|| / ||W*|| {residual:.3f}, ||B|| at steps 100 and 300 "
+              f"{norms[99]:.3f} {norms[299]:.3f}, A's step {statistics.fmean(steps[1:50]):.4f} "
+              f"(steps 2-50) {statistics.fmean(steps[250:]):.4f} (251-300)")
+    (plain, *_), (stalled, norms, steps, sin), (sgd, *_) = fits.values()
+    assert sgd < 1e-3 and plain < 0.5 and stalled > 0.9  # the same GR fits W* under SGD
+    assert sin < 0.01 and norms[299] < 1.2 * norms[99] < 0.2 < fits["plain, Adam"][1][99]
+    lr_step = 5e-4 * math.sqrt(10 * 192)  # Adam's step of about lr on each of A's entries
+    assert min(statistics.fmean(steps[1:50]), statistics.fmean(steps[250:])) > lr_step / 2
+
+
+def _per_epoch(argv, per_class):
+    """argv's run (the synthetic set, per_class training images per class) and, after each
+    epoch, the means over the K/V layers of ||A - A0|| (A0: the task's first A) and ||B||, the
+    median share of B's Adam steps inside span(B), and each head's mean largest logit on its own
+    task's test images."""
+    cfg, real, rows, now = jm.configure(argv), jm.train_step, [], {}
+    test = data.load_dataset("synthetic", None, cfg.img_size, 0.0, 1.0).test
+    tasks = data.task_classes(12, cfg.tasks)
+    per_epoch = math.ceil(len(tasks[0]) * per_class / cfg.batch_size)
+
+    def train_step(learner, opt, images, y, cfg):
+        layers = jm.lora_layers(learner.model)
+        if now.get("task") != len(learner.heads):  # the task's first step
+            now.update(task=len(learner.heads), steps=0, inside=[],
+                       A0=[layer.A.detach().clone() for layer in layers])
+        B0 = [layer.B.detach().clone() for layer in layers]
+        out = real(learner, opt, images, y, cfg)
+        for layer, b in zip(layers, B0):
+            step = layer.B.detach() - b
+            if b.any():  # B = 0 at the task's start: no span yet
+                now["inside"].append(float((torch.linalg.qr(b).Q.mT @ step).norm() / step.norm()))
+        now["steps"] += 1
+        if now["steps"] % per_epoch == 0:  # an epoch's end
+            with torch.no_grad():
+                logits = [float(head(torch.cat([z for z, _, _ in jm.batches(
+                    learner.model, data.subset(test, tasks[i]), cfg)])).amax(1).mean())
+                    for i, head in enumerate(learner.heads)]
+                A = statistics.fmean(float((layer.A - A0).norm())
+                                     for layer, A0 in zip(layers, now["A0"]))
+                B = statistics.fmean(float(layer.B.norm()) for layer in layers)
+            rows.append(dict(task=now["task"], epoch=now["steps"] // per_epoch, A=A, B=B,
+                             inside=statistics.median(now["inside"] or [math.nan]), logits=logits))
+            now["inside"] = []
+        return out
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()):
+        mp.setattr(jm, "train_step", train_step)
+        mp.setattr(jm, "draw", lambda *args: [])
+        assert jm.main(argv) == 0
+    return rows
+
+
+def test_gr_under_adam_in_real_runs_keeps_b_and_the_heads_logits_small(tmp_path):
+    """The toy's mechanism in real runs: with GR on Adam's gradients A moves as far as with GR on
+    Adam's step, but ||B|| ends each task at under half of that size, B's steps lie less inside
+    span(B), and the heads' logits stay smaller. JANUS_DEMO=1: the demo's four rows, at its
+    size, per epoch (printed: pytest -s)."""
+    demo, per_class = bool(os.environ.get("JANUS_DEMO")), 24
+    argv = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "--workers", "0",
+            "--device", "cpu"]
+    rows = ("frozen", "finetune", "janus", "janus-update") if demo else ("janus", "janus-update")
+    with pytest.MonkeyPatch.context() as mp:
+        if not demo:  # 2 blocks, 32 px in 8 px patches: the demo's 17 tokens per image
+            mp.setitem(vit.PRESETS, "vit_tiny", functools.partial(vit.PRESETS["vit_tiny"], depth=2))
+            argv += ["--img-size", "32", "--patch-size", "8", "--tasks", "2", "--epochs", "3"]
+        runs = {m: _per_epoch(argv + ["--method", m, "--out", str(tmp_path / m)], per_class)
+                for m in rows}
+    for m, epochs in runs.items():
+        for e in epochs:
+            print(f"{m:12s} task {e['task']} epoch {e['epoch']}: ||A - A0|| {e['A']:.3f}  ||B|| "
+                  f"{e['B']:.3f}  B's step inside span(B) {e['inside']:.2f}  heads' mean largest "
+                  f"logit {' '.join(f'{v:.2f}' for v in e['logits'])}")
+    ends = [[e for e in runs[m] if e["epoch"] == max(r["epoch"] for r in runs[m])]
+            for m in ("janus", "janus-update")]
+    for g, u in zip(*ends):
+        assert g["A"] > 0.5 * u["A"] and g["B"] < 0.5 * u["B"] and g["inside"] < u["inside"]
+    assert max(ends[0][-1]["logits"]) < min(ends[1][-1]["logits"])
+
+
 # ---- What a green suite let through: initial values drawn otherwise than their references draw
 # them, and the rare batches of a real run
 def _uneven(splits, train, test):  # the first train[c] training, test[c] test images of class c
@@ -1483,10 +1607,9 @@ def _dml_direct(z, y, old, margin, tau):  # Eq. (11) term by term, its softmax o
     return intra + (sum(hinge) / len(hinge) if hinge else 0.0)
 
 
-def _gr_direct(BtG, GAt, A, B, s, delta):  # Eqs. (6)-(7) from B^T G_safe, G_safe A^T; our ridge
-    def ridged(S):  # S + delta * mean(eig S) * I
-        lam = delta * S.trace() / len(S) + torch.finfo(S.dtype).tiny
-        return S + lam * torch.eye(len(S), dtype=S.dtype)
+def _gr_direct(BtG, GAt, A, B, s, delta):  # Eqs. (6)-(7) from B^T G_safe and G_safe A^T
+    def ridged(S):  # S + delta I, Appendix B's Tikhonov term
+        return S + delta * torch.eye(len(S), dtype=S.dtype)
     dA = torch.linalg.solve(ridged(B.T @ B), BtG) / s
     RAt = GAt - s * B @ dA @ A.T  # R A^T, with R = G_safe - s B dA
     return dA, RAt @ torch.linalg.inv(ridged(A @ A.T)) / s
@@ -1880,8 +2003,10 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch, no_plots):
     if method in ("lora-gpm", "lora-gpm-gr", "inflora"):
         assert 0 < min(widths[0]) and all(b >= a for a, b in zip(widths[0], widths[1]))
     expected = {"janus": [[8] * 12, [16] * 12], "janus-rolling": [[0] * 12] * 2,
-                "finetune": [[0] * 12] * 2}
+                "finetune": [[0] * 12] * 2, "frozen": [[0] * 12] * 2}
     assert widths == expected.get(method, widths)
+    if method == "frozen":  # no adapter: the backbone's outputs never change
+        assert max(r["interference"][1]["past"] + r["interference"][1]["current"]) == 0
     assert all(torch.equal(a, b) for a, b in zip(analysed[1], starts[1])) and all(follows)
     if method == "janus-rolling":  # M = V: it moved during the task
         assert not torch.equal(starts[1][0], ends[1][0])
@@ -2065,6 +2190,7 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "tasks": (TINY + ["--tasks", "5"], "--tasks 5 does not split 12 classes"),
     "img": (TINY + ["--img-size", "30"], "--img-size: a multiple of --patch-size"),
     "inflora": (TINY + ["--lora-a", "inflora"], "GR trains: add --no-gr"),
+    "rank 0": (TINY + ["--rank", "0"], "--rank 0 trains no adapter for GR to rectify: add --no-gr"),
     "seeds": (TINY + ["--seeds", "1", "1"], "--seeds: name each seed once"),
     "row": (TINY + ["--reproduce", "k", "--row", "3"], "--row 3: not a row of the --reproduce set"),
     "range": (CKPT + ["--input-range", "checkpoint", "--weights", "{tmp}/junk.pth"],
@@ -2168,6 +2294,7 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
         assert switches(["--method", name, "--no-dml"])["dml"] is False
     off = dict(gr=False, dml=False)
     described = {"finetune": dict(off, oe=False), "lora-gpm": dict(off, memory="gpm"),
+                 "frozen": dict(off, oe=False, rank=0),  # the control: heads alone
                  "lora-gpm-gr": dict(memory="gpm", dml=False), "inflora": dict(
                      off, memory="gpm", lora_a="inflora"), "janus": {},
                  "janus-update": dict(rectify="update"),  # ours
@@ -2182,7 +2309,7 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
     assert [c.weights for c in rows["backbones"].values()] == ["in21k", "sam", "dino"]
     assert [(c.memory, c.epochs) for c in rows["oe-vs-gpm"].values()] == [("gpm", 1), ("oe", 1)]
     assert [jm.method_of(dataclasses.asdict(c)) for c in rows["methods"].values()] == [
-        "finetune", "lora-gpm", "inflora", "janus"]  # Tables 2 and 3, those implemented
+        "frozen", "finetune", "lora-gpm", "inflora", "janus"]  # Tables 2 and 3, and the control
     assert [jm.method_of(dataclasses.asdict(c)) for c in rows["gr-plugin"].values()] == [
         "lora-gpm", "lora-gpm-gr"]  # Fig. 6: before GR, then after
     for name, (_, r, _) in jm.REPRODUCE.items():  # --dry-run: each row's own command
@@ -2205,6 +2332,7 @@ def _rows(names, seeds=(0, 1), T=3, g=None):  # rows of 2 seeds, 3 tasks, 2 bloc
         runs = [{"seed": s, "acc_matrix": [r[:t + 1] for t, r in enumerate(draw(T, T))],
                  "task_aware": [r[:t + 1] for t, r in enumerate(draw(T, T))],
                  "sample_acc": draw(T), "task_seconds": draw(T, scale=10),
+                 "throughput": draw(T, 2),  # two epochs per task
                  "violation": {n: [[None, None]] + draw(T - 1, 2, scale=1) for n in "kv"},
                  "interference": [None] + [{"past": draw(4, scale=0.01),
                                             "current": draw(4, scale=0.1)} for _ in range(T - 1)],
@@ -2220,14 +2348,17 @@ def _rows(names, seeds=(0, 1), T=3, g=None):  # rows of 2 seeds, 3 tasks, 2 bloc
 def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
     """Fig. 5 (a line a row: the mean over its seeds of the mean accuracy on the tasks seen, in a
     band of ± their sample std) with Fig. 2's output change beside it, Fig. 2 per block and Fig. 3
-    of a run, Fig. 6 (bars before and after GR) and Fig. 4a (ACC, MAA, BWT over k, ± the sample
-    std): the drawn values are the rows'; the legend covers no panel."""
+    of a run, Fig. 6 (bars before and after GR), Fig. 4a (ACC, MAA, BWT over k, ± the sample
+    std) and the appendix's efficiency figures (the time per task, its sum, each epoch's
+    throughput, the means over the seeds): the drawn values are the rows'; the legend covers no
+    panel."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
     drawn = {}
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.update({
         os.path.basename(path): fig}))
-    sets = {name: _rows(jm.REPRODUCE[name][1]) for name in ("methods", "gr-plugin", "k")}
+    sets = {name: _rows(jm.REPRODUCE[name][1])
+            for name in ("methods", "gr-plugin", "k", "oe-vs-gpm")}
     jm.draw(str(tmp_path), jm.RUN_FIGURES, _rows({"janus": ""}, seeds=(3,)), "title")
     for name, rows in sets.items():  # the methods' trajectories.png after the run's
         jm.draw(str(tmp_path), jm.REPRODUCE[name][2], rows, "title")
@@ -2259,6 +2390,13 @@ def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
         stats = [jm.summarize(row["runs"])[metric] for row in sets["gr-plugin"].values()]
         assert [bar.get_height() for bar in ax.patches] == pytest.approx([s["mean"] for s in stats])
         assert [t.get_text() for t in ax.texts] == [f"{s['mean']:.2f}" for s in stats]
+    for row, *lines in zip(sets["oe-vs-gpm"].values(), *(ax.lines for ax in
+                                                         drawn["efficiency.png"].axes)):
+        seconds = [statistics.fmean(t) for t in zip(*(r["task_seconds"] for r in row["runs"]))]
+        speeds = [statistics.fmean(e)
+                  for e in zip(*(sum(r["throughput"], []) for r in row["runs"]))]
+        expected = (seconds, list(itertools.accumulate(seconds)), speeds)
+        assert [list(line.get_ydata()) for line in lines] == [pytest.approx(e) for e in expected]
     for ax, metrics in zip(drawn["sweep.png"].axes, (("ACC", "MAA"), ("BWT",))):
         for (line, _, (bars,)), metric in zip(ax.containers, metrics):
             stats = [jm.summarize(row["runs"])[metric] for row in sets["k"].values()]
@@ -2577,13 +2715,14 @@ def test_a_cuda_run_stopped_after_task_2_continues_to_the_uninterrupted_run(tmp_
 
 
 def test_a_memory_that_fills_leaves_k_and_v_alone_in_the_later_tasks(tmp_path):
-    """--k 96 with all of V joining M (--oe-share 1) fills each block's memory (192 wide) after
-    task 2 of 3, as the analyses line says: in task 3 A = 0 and B = 0 stay exactly, W0 bit for bit,
-    OE has no basis, the violation is undefined; the head still trains and every reported number
-    is finite."""
-    r = _watch(SMALL + ["--k", "96", "--oe-share", "1", "--epochs", "1", "--out", str(tmp_path)])
+    """--k 96, each task's V joining M whole (the paper's), fills each block's memory (192 wide)
+    after task 2 of 3, as the analyses line says: in task 3 A = 0 and B = 0 stay exactly, W0 bit
+    for bit, OE has no basis, the violation is undefined; the head still trains and every reported
+    number is finite."""
+    r = _watch(SMALL + ["--k", "96", "--epochs", "1", "--out", str(tmp_path)])
     assert r["code"] == 0
-    assert "seed 0 task 2 analyses: M holds 192 of 192 columns a block" in r["log"]
+    assert ("seed 0 task 2 analyses: M holds 192 of 192 columns a block (2 of 2 blocks full: their "
+            "K and V learn nothing from task 3 on)") in r["log"]
     learner, run = r["learners"][0], r["res"]["runs"][0]
     assert [M.shape[1] for M in learner.memory] == [192] * 2 and learner.oe.V.shape[-1] == 0
     head = {"heads.2.weight", "heads.2.bias"}
@@ -2606,15 +2745,30 @@ def test_oe_steps_start_afresh_with_each_tasks_v_and_go_on_with_the_rolling_one(
 
 
 def test_more_tasks_than_d_over_k_and_the_last_task_still_learns_off_m(tmp_path):
-    """--k 96 over 3 tasks, more than D / k = 2: V's directions join M only until it holds the
-    task's share of energy, so that M has room after task 2, and task 3's update is non-zero, off
-    M (GR on Adam's step) and changes its own outputs; with --oe-share 1, M fills (test above)."""
-    r = _watch(SMALL + ["--k", "96", "--rectify", "update", "--epochs", "1",
+    """--k 96 over 3 tasks, more than D / k = 2, with --oe-share 0.99 (ours): V's directions join
+    M only until it holds the task's share of energy, so that M has room after task 2, and task 3's
+    update is non-zero, off M (GR on Adam's step) and changes its own outputs; with all of V
+    joining, the paper's, M fills (test above)."""
+    r = _watch(SMALL + ["--k", "96", "--oe-share", "0.99", "--rectify", "update", "--epochs", "1",
                         "--out", str(tmp_path)])
     run = r["res"]["runs"][0]
     assert r["code"] == 0 and max(run["memory"][1]) < 192
     assert all(v is not None and v < 1e-5 for n in "kv" for v in run["violation"][n][2])
     assert min(run["interference"][2]["current"]) > 0
+
+
+def test_each_task_adds_k_columns_to_the_memory_so_that_the_k_sweep_differs(tmp_path):
+    """--reproduce k (Fig. 4a) in the small world: after task t each block's M has min(t k, D)
+    columns, k = 25 to 100 of D = 192 (full after task 2 at k = 100): k is what a task protects,
+    not a cap, and the rows' results differ."""
+    argv = _without(SMALL, "--epochs") + ["--epochs", "1", "--reproduce", "k", "--out",
+                                          str(tmp_path)]
+    with _small_world(), contextlib.redirect_stdout(io.StringIO()):
+        assert jm.main(argv) == 0
+    runs = {int(row[1:]): _results(tmp_path / row)["runs"][0] for row in jm.REPRODUCE["k"][1]}
+    assert all(r["memory"] == [[min(t * k, 192)] * 2 for t in (1, 2, 3)] for k, r in runs.items())
+    metrics = {tuple(r["metrics"][m] for m in ("ACC", "BWT", "past change")) for r in runs.values()}
+    assert len(metrics) == len(runs)
 
 
 @pytest.mark.parametrize("flags, mean_std", [
