@@ -93,12 +93,18 @@ def _reading(what, fix):
         raise DataError(f"{what} cannot be read ({type(err).__name__}: {why}): {fix}.") from None
 
 
+def _download(url, root):
+    """url's file into root (its name: url's last part); a failed download names the file."""
+    with _reading(root / url.rsplit("/", 1)[1], f"it is missing: put it there from {url}"):
+        datasets.utils.download_url(url, str(root))
+
+
 def _unpack(root, url, name, download):
     """root/name from url's archive in root (downloaded if absent and download), unpacked beside
     and renamed: a damaged archive leaves no half a folder that the next run would take for data."""
     archive = root / url.rsplit("/", 1)[1]
     if download and not archive.is_file():
-        datasets.utils.download_url(url, str(root))
+        _download(url, root)
     if archive.is_file():  # else neither folder nor archive: reading the folder says so
         tmp = root / f".{name}.{os.getpid()}"  # one per process: two runs never share it
         try:
@@ -200,16 +206,19 @@ def _imagenet100(root, download):
 
 def _fashion_mnist(root, download):
     """The four idx files in root, gzipped or not (a missing one downloaded if download). idx: a
-    magic number whose last byte counts the dims, a big-endian uint32 per dim, the uint8 data."""
+    magic number whose last byte counts the dims (the name's idx3, idx1), a big-endian uint32 per
+    dim, the uint8 data."""
     arrays = []
     for name in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1"):
         path = root / f"{name}-ubyte" if (root / f"{name}-ubyte").is_file() else (
             root / f"{name}-ubyte.gz")
         if download and not path.is_file():
-            datasets.utils.download_url(FASHION_URL + path.name, str(root))
+            _download(FASHION_URL + path.name, root)
         b = path.read_bytes()
         with _reading(path, "delete it and fetch it again"):
             b = gzip.decompress(b) if path.suffix == ".gz" else b
+            if b[3] != int(name[-1]):  # another of the four files under this one's name
+                raise ValueError(f"{b[3]} dimensions where its name says {name[-1]}")
             shape = struct.unpack(f">{b[3]}I", b[4:4 + 4 * b[3]])  # a damaged one fails to reshape
             arrays.append(np.frombuffer(bytearray(b), np.uint8, offset=4 + 4 * b[3]).reshape(shape))
     return [(arrays[0][:, None], arrays[1].tolist()), (arrays[2][:, None], arrays[3].tolist())]

@@ -61,10 +61,13 @@ ran; GPM: Saha et al., ICLR 2021.
 import argparse
 import contextlib
 import copy
+import errno
 import hashlib
+import io
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -75,6 +78,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from dataclasses import fields
 from dataclasses import replace
+from functools import cache
 from functools import partial
 
 import torch
@@ -110,11 +114,11 @@ SHARE = checked(float, lambda v: 0 < v <= 1, "a share in (0, 1]")
 
 
 def device(text):
-    """A --device: auto, or a device that torch knows by that name."""
+    """A --device: auto, or a device that torch can use on this machine."""
     try:
-        return text if text == "auto" else str(torch.device(text))
-    except RuntimeError as e:  # torch's "Expected one of cpu, cuda, ..."
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return text if text == "auto" else str(torch.empty(0, device=text).device)
+    except (RuntimeError, AssertionError) as e:  # no such name, or no such device here
+        raise argparse.ArgumentTypeError(f"{text}: {str(e).splitlines()[0]}") from None
 
 
 def _opt(default, help, **argparse_kw):
@@ -600,7 +604,7 @@ def least_norm_split(dA, dB, A, B):
 def kv_covariance(model, images, cfg):
     """Each block's uncentred K/V-input covariance (L, D, D) over every token of the images."""
     C, n = 0.0, 0
-    for _, kv_inputs, _ in batches(model, images, cfg):
+    for _, kv_inputs, _ in batches(model, images, cfg, "the K/V covariance"):
         X = [x.float().flatten(0, 1) for x in kv_inputs]  # (B * (N+1), D) per block
         C = C + torch.stack([x.T @ x for x in X])
         n += X[0].shape[0]
@@ -677,7 +681,8 @@ def new_record(seed):
 def run_seed(learner, record, splits, cfg, after_task):
     """One seed: every task not finished yet, in turn, measured into `record`: after each task, a
     row of each accuracy matrix, from which `metrics` gives ACC, MAA and BWT when the seed is done;
-    and the paper's analyses. after_task(learner, record) is the program's (it saves them)."""
+    and the paper's analyses. after_task(learner, record) is the program's: it saves them, before
+    anything reports on them."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     for t in range(len(record["acc_matrix"]), cfg.tasks):
         start = time.time()  # a task's time: training and the method's passes, not the evaluation
@@ -686,16 +691,16 @@ def run_seed(learner, record, splits, cfg, after_task):
         record["throughput"].append(train_task(learner, t, tasks, splits, cfg, record["seed"]))
         factors = end_task(learner, t, tasks, splits, cfg)
         record["task_seconds"].append(time.time() - start)
-        acc, aware, sample = evaluate(learner.model, learner.heads, splits, tasks, cfg)
+        acc, aware, sample, probed = evaluate(learner, splits, tasks, factors, cfg)
         record["acc_matrix"].append(acc)
         record["task_aware"].append(aware)
         record["sample_acc"].append(sample)
+        analyses = record_analyses(record, learner, t, factors, memory, probed, tasks, cfg)
+        after_task(learner, record)
         print(f"seed {record['seed']} task {t + 1} accuracy per task: "
               f"{' '.join(f'{a:.2f}' for a in acc)}  | mean {sum(acc) / len(acc):.2f}  | over "
               f"samples {sample:.2f}  | task-aware mean {sum(aware) / len(aware):.2f}  | "
-              f"{record['task_seconds'][-1]:.1f} s", flush=True)
-        record_analyses(record, learner, t, factors, memory, splits, cfg)
-        after_task(learner, record)
+              f"{record['task_seconds'][-1]:.1f} s\n{analyses}", flush=True)
 
 
 def start_task(learner, t, tasks, splits, cfg):
@@ -733,8 +738,8 @@ class Diverged(Exception):
 
 def train_task(learner, t, tasks, splits, cfg, seed):
     """Task t's training: cfg.epochs epochs of train_step, a line per epoch; after the run's first
-    epoch, a note of how long its training takes at that speed. Returns the images per second of
-    each epoch."""
+    epoch, a note of how long the run takes at that speed. Returns the images per second of each
+    epoch."""
     local = torch.full((splits.num_classes,), -1, device=cfg.device)  # class id -> head's index
     local[tasks[t]] = torch.arange(len(tasks[t]), device=cfg.device)
     images = data.subset(splits.train, tasks[t])
@@ -748,7 +753,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
             group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
         start = time.time()
         loss_sum, correct, seen = 0.0, 0, 0
-        for x, y in loader:
+        for x, y in reported(loader, f"seed {seed} task {t + 1} epoch {epoch + 1}"):
             x, y = x.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
             loss, right = train_step(learner, opt, x, y, cfg)
             loss_sum = loss_sum + loss * len(y)  # tensors, read once an epoch
@@ -768,11 +773,28 @@ def train_task(learner, t, tasks, splits, cfg, seed):
 
 
 def estimate(speed, splits, cfg):
-    """The note of how long the run's training takes at `speed` images per second."""
-    total = cfg.epochs * len(splits.train) * len(cfg.seeds)  # images to train
-    return (f"note: at {speed:.1f} img/s on {cfg.device}, the run's training ({cfg.epochs} "
-            f"epoch(s) of {len(splits.train)} images, {len(cfg.seeds)} seed(s)) takes about "
-            f"{duration(total / speed)}")
+    """The note of how long the run takes at `speed` images per second: its training, and at most
+    as long again per image for its passes without gradients (a forward pass costs less than a
+    training step): each task's end over its training images, and the evaluation and analyses
+    over the seen tasks' test images after each task."""
+    counts = torch.bincount(torch.tensor(splits.test.targets), minlength=splits.num_classes)
+    test = int(counts.view(cfg.tasks, -1).sum(1).cumsum(0).sum())  # the seen tasks' after each
+    trained, passes = cfg.epochs * len(splits.train), len(splits.train) + test
+    return (f"note: at {speed:.1f} img/s on {cfg.device}, the run takes about "
+            f"{duration(len(cfg.seeds) * trained / speed)} to train ({cfg.epochs} epoch(s) of "
+            f"{len(splits.train)} images, {len(cfg.seeds)} seed(s)), and at most "
+            f"{duration(len(cfg.seeds) * passes / speed)} more for {passes} images per seed "
+            "without gradients (the ends of tasks, the evaluations and analyses)")
+
+
+def reported(loader, what):
+    """The loader's batches, with a line every 30 s that says how far `what` has come."""
+    start = last = time.time()
+    for i, batch in enumerate(loader, 1):
+        yield batch
+        if time.time() - last > 30:
+            last = time.time()
+            print(f"  {what}: {i} of {len(loader)} batches in {duration(last - start)}", flush=True)
 
 
 def adam(learner, cfg):
@@ -800,8 +822,8 @@ def end_task(learner, t, tasks, splits, cfg):
     images = data.subset(splits.train_eval, tasks[t])  # the test transform
     oe_memory = cfg.oe and cfg.memory == "oe"
     weighed = oe_memory and cfg.oe_share < 1  # ours: the energies that M's rule weighs
-    measure = partial(learner.oe.energies, memory=learner.memory) if weighed else None
-    z, y, energies = features(learner.model, images, cfg, measure)  # ours: one pass for both
+    measure = (lambda X, y: learner.oe.energies(X, learner.memory)) if weighed else None
+    z, y, energies = features(learner.model, images, cfg, measure, f"the end of task {t + 1}")
     learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
     if oe_memory:  # V joins the memory: all of it, or (ours) until M holds the task's energy
         learner.memory = learner.oe.merge(learner.memory, energies, cfg.oe_share)
@@ -826,11 +848,17 @@ def class_prototypes(z, y, classes):
 
 
 @torch.no_grad()
-def evaluate(model, heads, splits, tasks, cfg):
-    """Row t of the accuracy matrices, per seen task: task-agnostic (InfLoRA's: the argmax over
-    all heads) and task-aware (ours: the true task's head); and over the seen test samples."""
-    seen = torch.tensor([c for classes in tasks[:len(heads)] for c in classes], device=cfg.device)
-    z, y, _ = features(model, data.subset(splits.test, seen.tolist()), cfg)
+def evaluate(learner, splits, tasks, factors, cfg):
+    """One pass over the seen tasks' test images. Row t of the accuracy matrices, per seen task:
+    task-agnostic (InfLoRA's: the argmax over all heads) and task-aware (ours: the true task's
+    head); the accuracy over those samples; and for the analyses, from task 2 on, the change that
+    the task's update (factors) made to the K/V outputs (output_change), and the current task's
+    z and y."""
+    heads, t = learner.heads, len(learner.heads) - 1
+    seen = torch.tensor([c for classes in tasks[:t + 1] for c in classes], device=cfg.device)
+    change = partial(output_change, factors=factors, current=tasks[t], scale=cfg.lora_scale)
+    z, y, changes = features(learner.model, data.subset(splits.test, seen.tolist()), cfg,
+                             change if t and factors else None, "the evaluation and analyses")
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
     for i, classes in enumerate(tasks[:len(heads)]):
         task_of[classes] = i
@@ -838,27 +866,30 @@ def evaluate(model, heads, splits, tasks, cfg):
     other_task = task_of[seen][None, :] != task_of[y][:, None]  # (n, seen classes)
     agnostic = seen[logits.argmax(1)]
     aware = seen[logits.masked_fill(other_task, -math.inf).argmax(1)]
-    rows = [[100.0 * float((pred == y)[task_of[y] == i].float().mean()) for i in range(len(heads))]
+    rows = [[100.0 * float((pred == y)[task_of[y] == i].float().mean()) for i in range(t + 1)]
             for pred in (agnostic, aware)]
-    return rows[0], rows[1], 100.0 * float((agnostic == y).float().mean())
+    now = task_of[y] == t
+    energy = sum(e for e, _ in changes) / sum(n for _, n in changes) if changes else None
+    return rows[0], rows[1], 100.0 * float((agnostic == y).float().mean()), (energy, z[now], y[now])
 
 
 @torch.no_grad()
-def features(model, images, cfg, measure=None):
+def features(model, images, cfg, measure=None, what="a pass"):
     """z (n, D) and the labels y (n,) of the images, in their order; and, if given, measure(K/V
-    inputs) of each batch."""
+    inputs, y) of each batch."""
     zs, ys, measured = [], [], []
-    for z, kv_inputs, y in batches(model, images, cfg):
+    for z, kv_inputs, y in batches(model, images, cfg, what):
         zs.append(z)
         ys.append(y)
         if measure is not None:
-            measured.append(measure(kv_inputs))
+            measured.append(measure(kv_inputs, y))
     return torch.cat(zs), torch.cat(ys), measured
 
 
-def batches(model, images, cfg):
+def batches(model, images, cfg, what="a pass"):
     """(z, K/V inputs, y) of each batch of the images in order, under the run's autocast."""
-    for x, y in data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device):
+    loader = data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device)
+    for x, y in reported(loader, f"{what} over {len(images)} images"):
         x = x.to(cfg.device)
         with torch.autocast(x.device.type, torch.bfloat16,
                             enabled=x.is_cuda and cfg.precision == "bf16"):  # as train_step
@@ -911,8 +942,9 @@ METRICS = {
 
 # ---- The paper's analyses after each task: the null-space violation against the memory and on
 # real activations (Fig. 2), DML's geometry (Fig. 3 and the appendix's density) --------------------
-def record_analyses(record, learner, t, factors, memory, splits, cfg):
-    """Task t's analyses into record; factors: its (A, B) per layer; memory: the M it protected."""
+def record_analyses(record, learner, t, factors, memory, probed, tasks, cfg):
+    """Task t's analyses into record, and their line; factors: its (A, B) per layer; memory: the
+    M it protected; probed: evaluate's output change, and the current task's test z and y."""
     for j, name in enumerate("kv"):  # factors[j::2]: each block's K (j = 0) or V (j = 1) pair
         pairs = zip(factors[j::2], memory)
         record["violation"][name].append([violation(A, B, M) for (A, B), M in pairs])
@@ -927,20 +959,17 @@ def record_analyses(record, learner, t, factors, memory, splits, cfg):
     if t == 0:  # no past tasks, no old prototypes
         record["interference"].append(None)
         record["geometry"].append(None)
-        print(line, flush=True)
-        return
-    tasks = data.task_classes(splits.num_classes, cfg.tasks)
-    seen = data.subset(splits.test, [c for classes in tasks[:t + 1] for c in classes])
-    energy, z, y = probe(learner.model, factors, seen, tasks[t], cfg)
+        return line
+    energy, z, y = probed
     past, now = energy.sqrt().tolist()
     record["interference"].append({"past": past, "current": now})
     record["geometry"].append(dml_geometry(z, y, learner.prototypes, tasks[t][0]))
     violations = [fmt(mean(record["violation"][n][-1]), ".2e") for n in "kv"]
-    print(f"{line}; its K/V update changed the outputs of the past tasks' test images by "
-          f"{mean(past):.3g} (RMS), its own by {mean(now):.3g} "
-          f"(Fig. 2); ||dW M|| / ||dW|| {violations[0]} (K), {violations[1]} (V); "
-          f"{100 * record['geometry'][-1]['danger']:.1f}% of its test images in DML's danger "
-          "zone, a cosine above 0.5 to an old class (Fig. 3)", flush=True)
+    danger = 100 * record["geometry"][-1]["danger"]
+    return (f"{line}; its K/V update changed the outputs of the past tasks' test images by "
+            f"{mean(past):.3g} (RMS), its own by {mean(now):.3g} (Fig. 2); ||dW M|| / ||dW|| "
+            f"{violations[0]} (K), {violations[1]} (V); {danger:.1f}% of its test images in "
+            "DML's danger zone, a cosine above 0.5 to an old class (Fig. 3)")
 
 
 @torch.no_grad()
@@ -954,23 +983,19 @@ def violation(A, B, M):
 
 
 @torch.no_grad()
-def probe(model, factors, images, current, cfg):
-    """Fig. 2 on real activations: per K/V layer, the mean of ||x dW^T||^2 over the past tasks'
-    tokens and over the current task's, (2, layers); and the current task's z and y. x: the K/V
-    inputs of the model after the task (merged), not of the model that learned the past tasks."""
-    energy, tokens, zs, ys = 0.0, 0.0, [], []
-    for z, kv_inputs, y in batches(model, images, cfg):
-        now = (y[:, None] == torch.tensor(current, device=y.device)).any(1)  # (B,)
-        e = []
-        for j, (A, B) in enumerate(factors):  # K and V of block j // 2 share its input
-            u = kv_inputs[j // 2].float() @ A.T  # (B, N+1, r)
-            e.append(cfg.lora_scale ** 2 * ((u @ (B.T @ B)) * u).sum((1, 2)))  # per image
-        e = torch.stack(e, 1)  # (B, layers)
-        energy = energy + torch.stack([e[~now].sum(0), e[now].sum(0)])
-        tokens = tokens + torch.stack([(~now).sum(), now.sum()])[:, None] * kv_inputs[0].shape[1]
-        zs.append(z[now])
-        ys.append(y[now])
-    return energy / tokens, torch.cat(zs), torch.cat(ys)
+def output_change(kv_inputs, y, factors, current, scale):
+    """Fig. 2 on real activations, over one batch: per K/V layer, the sums of ||x dW^T||^2,
+    dW = s B A of the factors, over the past tasks' tokens x and over the current task's, (2,
+    layers), and their numbers of tokens (2, 1). x: the K/V inputs of the model after the task
+    (merged), not of the model that learned the past tasks."""
+    now = (y[:, None] == torch.tensor(current, device=y.device)).any(1)  # (B,)
+    e = []
+    for j, (A, B) in enumerate(factors):  # K and V of block j // 2 share its input
+        u = kv_inputs[j // 2].float() @ A.T  # (B, N+1, r)
+        e.append(scale ** 2 * ((u @ (B.T @ B)) * u).sum((1, 2)))  # per image
+    e = torch.stack(e, 1)  # (B, layers)
+    tokens = torch.stack([(~now).sum(), now.sum()])[:, None] * kv_inputs[0].shape[1]
+    return torch.stack([e[~now].sum(0), e[now].sum(0)]), tokens
 
 
 def dml_geometry(z, y, prototypes, old, bins=20):
@@ -1076,9 +1101,11 @@ def configure(argv=None):
     """argv's Config, filled in; with --resume DIR, the run's own flags under those typed."""
     values, typed = parse(argv)
     if "resume" in typed:
-        if not (state := read_state(typed["resume"])):
-            raise RunError(f"--resume {typed['resume']}: no run's checkpoint.pt in that folder")
-        values = {**state["config"], **typed, "out": typed["resume"]}
+        if not (found := states(typed["resume"])):
+            raise RunError(f"--resume {typed['resume']}: no seed's state (seed<N>.pt) in that "
+                           "folder")
+        seeds = sorted({seed for state in found for seed in state["config"]["seeds"]})
+        values = {**found[0]["config"], "seeds": seeds, **typed, "out": typed["resume"]}
     cfg = Config(**values)
     defaults = {k: v for k, v in data.DATASETS[cfg.dataset].items() if getattr(cfg, k, 0) is None}
     gpm = [0.98 if cfg.dataset == "imagenet-r" else 0.95, 1.0]  # InfLoRA's configs
@@ -1108,7 +1135,13 @@ def check(cfg):
             (cfg.rank > 0 or not cfg.gr, "--rank 0 trains no adapter for GR to rectify: add "
              "--no-gr"),
             (len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: name each seed once"),
-            (cfg.row in (None, *rows), f"--row {cfg.row}: not a row of the --reproduce set"),
+            (cfg.reproduce or not (cfg.row or cfg.dry_run), "--row and --dry-run go with "
+             "--reproduce NAME"),
+            (cfg.row in (None, *rows), f"--row {cfg.row}: not a row of --reproduce "
+             f"{cfg.reproduce} ({', '.join(rows)})"),
+            (cfg.dataset == "synthetic" or os.path.isdir(cfg.data_dir) or cfg.data_dir ==
+             Config.data_dir, f"--data-dir {cfg.data_dir}: no such folder (the default, "
+             f"{Config.data_dir}, is made for a download)"),
             (cfg.input_range != "checkpoint" or cfg.weights in vit.PRETRAINED_INPUT,
              "--input-range checkpoint needs a named --weights (for a file: half or imagenet)")):
         if not ok:
@@ -1140,84 +1173,104 @@ def precision(cfg):
     return f"{cfg.device} {cfg.precision if cfg.device.startswith('cuda') else 'fp32'}"
 
 
-# ---- A run: its folder, held while it runs; its state, checkpoint.pt, saved after each task ------
+# ---- A run: its folder, with a state file per seed, held by the process that runs the seed ------
+STATE = ("config", "record", "learner", "rng")  # what a seed's state file holds, after each task
+
+
+def seed_file(folder, seed):
+    return os.path.join(folder, f"seed{seed}.pt")
+
+
 @contextlib.contextmanager
-def locked(folder):
-    """A run's folder, held by flock, which the system releases however the process ends."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "lock"), "w") as lock:
+def locked(path, wait=False):
+    """The file path held by flock, which the system releases however the process ends; Busy at
+    once where another process holds it, unless wait."""
+    with open(path, "w") as lock:
         try:
             if fcntl:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise Busy(f"{folder} is in use by another process: wait for it to end, or choose "
-                       "another --out") from None
+            raise Busy(path) from None
         yield
 
 
-def read_state(folder, device="cpu"):
-    """The state of the run in a folder, None where it has none."""
-    path = os.path.join(folder, "checkpoint.pt")
+def read_state(path, device="cpu"):
+    """A seed's state, None where it has none."""
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 -- torch's unpickler fails in many ways on a bad file
-        raise RunError(f"{path} cannot be read ({type(e).__name__}): move it away to start the "
-                       "run again") from None
+        state = e
+    if not isinstance(state, dict) or not set(STATE) <= state.keys():
+        raise RunError(f"{path} is no seed's state of janus_min.py ({type(state).__name__}): move "
+                       "it away, and that seed starts again")
+    return state
+
+
+def states(folder):
+    """The state of each seed in a run folder, by seed, on the CPU."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    seeds = sorted(int(m[1]) for name in names if (m := re.fullmatch(r"seed(\d+)\.pt", name)))
+    return [read_state(seed_file(folder, seed)) for seed in seeds]
 
 
 def written(path, content):
-    """A text or a state, written whole or not at all: to a temporary file, then renamed."""
+    """A text or a state, written whole or not at all: to a temporary file, then renamed. A state
+    is serialised first, so that a failed write says the system's reason (torch.save hides it)."""
+    if not isinstance(content, str):
+        buffer = io.BytesIO()
+        torch.save(content, buffer)
+        content = buffer.getvalue()
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        if isinstance(content, str):
-            with open(tmp, "w") as f:
-                f.write(content)
-        else:
-            torch.save(content, tmp)
+        with open(tmp, "w" if isinstance(content, str) else "wb") as f:
+            f.write(content)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's zip writer
-        raise RunError(f"cannot write {path} ({e})") from None
+    except OSError as e:  # named by the file that was to be written, not by its temporary one
+        raise OSError(e.errno, e.strerror, path) from None
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
 
 
 def run(cfg):
-    """A run: each seed not done (the state's unfinished one first, after its last finished
-    task), the state saved after each task; then the outputs, written from the state."""
-    with locked(cfg.out):
-        state = read_state(cfg.out, cfg.device) or {"config": asdict(cfg), "runs": [],
-                                                    "record": None}
+    """A run: each of its seeds that no other process runs, from the last task that its state
+    file holds, its state saved after each task; then the outputs, from every finished seed's
+    state in the folder, whichever process ran it."""
+    os.makedirs(cfg.out, exist_ok=True)
+    for state in states(cfg.out)[:1]:  # another configuration is refused
         saved, ours = identity({**asdict(Config()), **state["config"]}), identity(asdict(cfg))
         if other := [f"{flag(k)} {saved[k]} (not {ours[k]})" for k in ours if saved[k] != ours[k]]:
             raise RunError(f"{cfg.out} holds a run of {', '.join(other)}: choose another --out")
-        seeds = state["config"]["seeds"]
-        seeds += [s for s in cfg.seeds if s not in seeds]  # the seeds added now
-        state["config"] = asdict(replace(cfg, seeds=seeds))
-        save = partial(written, os.path.join(cfg.out, "checkpoint.pt"), state)
-        unfinished = (state["record"] or {}).get("seed")
-        done = [r["seed"] for r in state["runs"]]
-        todo = [s for s in seeds if s not in done]  # the unfinished seed, begun last, first
-        splits, backbone = load_data_and_backbone(cfg) if todo else (None, None)
-        for seed in todo:
-            learner, record = start_learner(cfg, seed, backbone), new_record(seed)
-            if seed == unfinished:
-                record = restore(learner, state, cfg.device)
-                print(f"seed {seed}: continued after task {len(record['acc_matrix'])}")
-
-            def after_task(learner, record):
-                state.update(record=record, rng=torch.get_rng_state(),
-                             learner=learner_state(learner))
-                save()
-            run_seed(learner, record, data.thin(splits, cfg.limit_per_class, seed), cfg,
-                     after_task)
-            state["runs"].append(record)
-            state.update(record=None, learner=None)
-            save()
-        write_outputs(state, cfg.out)
+    load = cache(partial(load_data_and_backbone, cfg))  # once a seed needs them
+    for seed in cfg.seeds:
+        try:
+            with locked(seed_file(cfg.out, seed) + ".lock"):
+                run_one(cfg, seed, load)
+        except Busy:  # one job of an array over the seeds: another runs this one
+            print(f"seed {seed}: another process runs it: left to it", flush=True)
+    with locked(os.path.join(cfg.out, "lock"), wait=True):  # the last writer sees every seed
+        write_outputs(cfg)
     return 0
+
+
+def run_one(cfg, seed, load):
+    """One seed, after the last task of its state file, which keeps its learner once it ends."""
+    path = seed_file(cfg.out, seed)
+    state = read_state(path, cfg.device)
+    if state and len(state["record"]["acc_matrix"]) == cfg.tasks:
+        return
+    splits, backbone = load()
+    learner, record = start_learner(cfg, seed, backbone), new_record(seed)
+    if state:
+        record = restore(learner, state)
+        print(f"seed {seed}: continued after task {len(record['acc_matrix'])}")
+
+    def save(learner, record):
+        written(path, {"config": asdict(cfg), "record": record, "rng": torch.get_rng_state(),
+                       "learner": learner_state(learner)})
+    run_seed(learner, record, data.thin(splits, cfg.limit_per_class, seed), cfg, save)
 
 
 def load_data_and_backbone(cfg):
@@ -1240,12 +1293,12 @@ def learner_state(learner):
             "prototypes": learner.prototypes}
 
 
-def restore(learner, state, device):
-    """The state's unfinished seed: its learner as after its last finished task; its record."""
+def restore(learner, state):
+    """A seed's learner as after the last task of its state; returns its record."""
     saved = state["learner"]
     nn.ModuleList(lora_layers(learner.model)).load_state_dict(saved["kv"])
     for head in saved["heads"]:
-        learner.heads.append(nn.Linear(*head["weight"].shape[::-1]).to(device))
+        learner.heads.append(nn.Linear(*head["weight"].shape[::-1]).to(head["weight"].device))
         learner.heads[-1].load_state_dict(head)
     if learner.oe is not None:
         learner.oe.V, learner.oe.t = saved["V"], saved["oe_steps"]
@@ -1263,34 +1316,48 @@ def summarize(runs):
             for name, v in values.items()}
 
 
-def write_outputs(state, out):
-    """results.json, table.md and the run's figures (Figs. 2, 3 and 5), from its state."""
-    c, name = state["config"], method_of(state["config"])
-    runs = [dict(r, metrics={k: f(r) for k, (f, _, _) in METRICS.items()}) for r in state["runs"]]
+def finished(folder):
+    """A run folder's config and its finished seeds' records, each with its metrics."""
+    done = [s for s in states(folder) if len(s["record"]["acc_matrix"]) == s["config"]["tasks"]]
+    runs = [dict(s["record"], metrics={k: f(s["record"]) for k, (f, _, _) in METRICS.items()})
+            for s in done]
+    return (done[0]["config"] if done else None), runs
+
+
+def write_outputs(cfg):
+    """results.json, table.md and the run's figures (Figs. 2, 3 and 5), from the finished seeds'
+    states in its folder."""
+    _, runs = finished(cfg.out)
+    if not runs:
+        return
+    c = dict(asdict(cfg), seeds=[r["seed"] for r in runs])
     env = {"torch": torch.__version__, "torchvision": torchvision.__version__,
-           "precision": precision(Config(**c)), "device": torch.cuda.get_device_name(c["device"])
-           if c["device"].startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"}
+           "precision": precision(cfg), "device": torch.cuda.get_device_name(cfg.device)
+           if cfg.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"}
     results = {"config": c, "environment": env, "runs": runs, "summary": summarize(runs)}
-    written(os.path.join(out, "results.json"), json.dumps(results, indent=1))
+    written(os.path.join(cfg.out, "results.json"), json.dumps(results, indent=1))
+    name = method_of(c)
     rows = {name: dict(results, flags=f"--method {name}" if name in METHODS else "custom")}
     title = f"{c['dataset']}, T={c['tasks']}, {name}"
-    paths = [write_table(out, rows, title), *draw(out, RUN_FIGURES, rows, title)]
-    print(f"wrote {os.path.join(out, 'results.json')} {' '.join(paths)}")
+    paths = [write_table(cfg.out, rows, title), *draw(cfg.out, RUN_FIGURES, rows, title)]
+    print(f"wrote {os.path.join(cfg.out, 'results.json')} {' '.join(paths)}")
 
 
 def write_table(out, rows, title, missing=()):
-    """table.md: each row's metrics, the mean ± the sample std over its seeds, and what each is."""
+    """table.md: each row's metrics, the mean ± the sample std over the seeds it names, and what
+    each metric is."""
     lines = [f"# {title}" + (f" (not finished, left out: {', '.join(missing)})" * bool(missing)),
              "", "| row | flags | seeds | " + " | ".join(METRICS) + " |",
              "|---" * (len(METRICS) + 3) + "|"]
     for name, row in rows.items():
-        cells = [name, f"`{row['flags'] or '(none)'}`", str(len(row["runs"]))]
+        seeds = " ".join(str(r["seed"]) for r in row["runs"])
+        cells = [name, f"`{row['flags'] or '(none)'}`", seeds]
         for metric, s in summarize(row["runs"]).items():
             spec = METRICS[metric][1]
             std = "" if s["std"] is None else f" ± {s['std']:{spec}}"
             cells.append(fmt(s["mean"], spec) + std)
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Each cell: the mean ± the sample std over the seeds (n - 1)."]
+    lines += ["", "Each cell: the mean ± the sample std over the row's seeds (n - 1)."]
     lines += [f"- {name}: {meaning}." for name, (_, _, meaning) in METRICS.items()]
     written(os.path.join(out, "table.md"), "\n".join(lines) + "\n")
     print("\n".join(lines[2:4 + len(rows)]))
@@ -1443,30 +1510,30 @@ REPRODUCE = {
 
 
 def reproduce(cfg, argv):
-    """Each row into OUT/<row>/ with the flags typed and its own, but a row that another process
-    runs: the jobs of an array share the rows. Then table.md and the figures of the rows done."""
+    """Each row into OUT/<row>/ with the flags typed and its own; the seeds that other processes
+    run are theirs, so that the jobs of an array share the rows. Then table.md and the figures
+    of the rows done, whichever jobs ran them."""
     what, rows, figures = REPRODUCE[cfg.reproduce]
     print(f"--reproduce {cfg.reproduce}: {what}; into {cfg.out}")
-    argv = [a for a in argv if a != "--dry-run"]  # a row's command: the set's, and --row
+    argv = [a for i, a in enumerate(argv) if a not in ("--dry-run", "--row")  # a row's command:
+            and not a.startswith("--row=") and argv[i - 1:i] != ["--row"]]  # the set's, its row
     for row in [cfg.row] if cfg.row else rows:
-        print(f"{row} ({rows[row] or 'no flag'}): python janus_min.py {shlex.join(argv)} --row "
-              f"{row}", flush=True)
-        if cfg.dry_run:
-            continue
-        try:
-            run(replace(configure(argv + rows[row].split()), reproduce=None, row=None,
+        print(f"{row} ({rows[row] or 'no flag'}): {command(argv + ['--row', row])}", flush=True)
+        if not cfg.dry_run:
+            run(replace(configure(argv + rows[row].split()), reproduce=None,
                         out=os.path.join(cfg.out, row)))
-        except Busy as e:
-            print(f"{row}: {e}: skipped")
     done = {}
-    for row in [] if cfg.dry_run else rows:  # the rows whose results.json exists: those done
-        if os.path.exists(path := os.path.join(cfg.out, row, "results.json")):
-            with open(path) as f:
-                done[row] = dict(json.load(f), flags=rows[row])
+    for row in [] if cfg.dry_run else rows:
+        config, runs = finished(os.path.join(cfg.out, row))
+        if runs:
+            done[row] = {"flags": rows[row], "config": config, "runs": runs}
     if done:
-        title = f"--reproduce {cfg.reproduce}: {what}; {cfg.dataset}, T={cfg.tasks}"
-        paths = [write_table(cfg.out, done, title, [r for r in rows if r not in done]),
-                 *draw(cfg.out, figures, done, title)]
+        differ = len({tuple(r["seed"] for r in row["runs"]) for row in done.values()}) > 1
+        title = (f"--reproduce {cfg.reproduce}: {what}; {cfg.dataset}, T={cfg.tasks}"
+                 + " (the rows' seeds differ)" * differ)
+        with locked(os.path.join(cfg.out, "lock"), wait=True):  # the last writer sees every row
+            paths = [write_table(cfg.out, done, title, [r for r in rows if r not in done]),
+                     *draw(cfg.out, figures, done, title)]
         print(f"wrote {' '.join(paths)}")
     return 0
 
@@ -1531,26 +1598,70 @@ def sigterm(signum, frame):
     raise KeyboardInterrupt(signum)
 
 
+class Unbroken:
+    """Standard output that a reader who has gone (| head) cannot break: what comes after goes to
+    os.devnull, and the run goes on."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):  # encoding, isatty and the rest: the stream's own
+        return getattr(self.stream, name)
+
+    def write(self, text):
+        return self._call("write", text)
+
+    def flush(self):
+        return self._call("flush")
+
+    def _call(self, method, *args):
+        try:
+            return getattr(self.stream, method)(*args)
+        except BrokenPipeError:  # the Python docs' recipe: the file descriptor onto os.devnull
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+
+def command(argv):
+    """The command line that runs this program with argv, as it was started: python
+    path/to/janus_min.py, or python -m janus_min."""
+    return shlex.join(sys.orig_argv[:len(sys.orig_argv) - len(sys.argv) + 1] + argv)
+
+
+# A file or folder that cannot be written: what to do, by the system's reason (else: CHOOSE).
+AGAIN = "then run the same command: the run goes on after its last saved task"
+CANNOT_WRITE = {errno.ENOSPC: f"free some space, {AGAIN}", errno.EDQUOT: f"free some of the "
+                f"quota, {AGAIN}", errno.EFBIG: f"raise the limit on a file's size (ulimit -f), "
+                f"{AGAIN}"}
+CHOOSE = "choose another --out, or make this one writable"
+
+
 def main(argv=None):
-    """python janus_min.py [flags] (--help): the project's own errors in one line (exit 2); Ctrl-C
-    and SIGTERM in one line with the command that continues (exit 130, 143); any other error is a
-    bug, and keeps its traceback."""
+    """python janus_min.py [flags] (--help): the project's own errors, and a file or folder that
+    cannot be written, in one line that says what to do (exit 2); Ctrl-C and SIGTERM in one line
+    with the command that continues (exit 130, 143); any other error is a bug, and keeps its
+    traceback."""
     argv = sys.argv[1:] if argv is None else argv
     handler = signal.signal(signal.SIGTERM, sigterm)
+    stdout, sys.stdout = sys.stdout, Unbroken(sys.stdout)
     try:
         cfg = configure(argv)
         if cfg.benchmark:
             return benchmark(cfg)
         return reproduce(cfg, argv) if cfg.reproduce else run(cfg)
-    except (RunError, data.DataError, vit.CheckpointError, Diverged, OSError) as e:
+    except (RunError, data.DataError, vit.CheckpointError, Diverged) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the run's folder or files: the rest are the data's and the weights'
+        print(f"error: cannot write {e.filename}: {e.strerror}: "
+              f"{CANNOT_WRITE.get(e.errno, CHOOSE)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         signum = e.args[0] if e.args else signal.SIGINT
-        print(f"\ninterrupted ({signal.Signals(signum).name}): the same command continues: python "
-              f"janus_min.py {shlex.join(argv)}", file=sys.stderr)
+        print(f"\ninterrupted ({signal.Signals(signum).name}): the same command continues: "
+              f"{command(argv)}", file=sys.stderr)
         return 128 + signum
     finally:
+        sys.stdout = stdout
         signal.signal(signal.SIGTERM, handler)
         data.end_workers()
 

@@ -4,6 +4,7 @@ breaks when the code is wrong. CPU, random weights, files the tests write; the m
 import contextlib
 import copy
 import dataclasses
+import errno
 import functools
 import gzip
 import io
@@ -624,6 +625,10 @@ DAMAGE = [
     ("fashion-mnist", lambda r: (r / FM).write_bytes((r / FM).read_bytes()[:30]),
      [f"{FM} cannot be read", REREAD]),  # a truncated gzip stream
     ("fashion-mnist", lambda r: (r / FM).unlink(), [FM, "--data-dir", "dataset-fashion-mnist"]),
+    ("fashion-mnist", lambda r: [(r / f"t10k-{a}.gz").rename(r / f"t10k-{b}.gz") for a, b in (
+        ("images-idx3-ubyte", "x"), ("labels-idx1-ubyte", "images-idx3-ubyte"),
+        ("x", "labels-idx1-ubyte"))], ["t10k-images-idx3-ubyte.gz cannot be read", "1 dimensions "
+                                       "where its name says 3", REREAD]),  # swapped
     ("cifar100", lambda r: (r / CP / "train").write_bytes(b"\x80\x04truncated"),
      [f"{CP}/train cannot be read", REREAD]),
     ("cifar100", lambda r: (r / CP / "test").unlink(), [f"{CP}/test", "--data-dir", CIFAR100_URL]),
@@ -673,7 +678,7 @@ def test_a_damaged_image_met_in_training_ends_the_run_in_one_line(tmp_path, work
     err = capsys.readouterr().err
     assert err.startswith(f"error: {cut} cannot be read (OSError: ") and err.count("\n") == 1, err
     assert err.endswith("replace it with an intact copy (fetch the data set again).\n"), err
-    assert len(jm.read_state(tmp_path / "run")["record"]["acc_matrix"]) == 1  # task 1's
+    assert _tasks_done(tmp_path / "run") == 1  # task 1's
     assert not multiprocessing.active_children()  # the run's workers ended with it
 
 
@@ -745,7 +750,8 @@ def test_file_loaders_give_the_same_batches_under_every_start_method(tmp_path, m
 @pytest.mark.parametrize("name", list(FAKE))
 def test_missing_data_names_the_folder_the_source_and_the_flag(
         tmp_path, monkeypatch, name, where, download):
-    """One line: which set, where, what to put there and the flag; a download only if asked."""
+    """One line: which set, where, what to put there and the flag; a download only if asked,
+    and then the file that it was to download, and from where."""
     def offline(url, root):
         fetched.append(url)
         raise OSError("offline")
@@ -756,9 +762,16 @@ def test_missing_data_names_the_folder_the_source_and_the_flag(
     with pytest.raises(data.DataError) as err:
         data.load_dataset(name, root, 32, *MEAN_STD, download=download)
     message = str(err.value)
-    assert "\n" not in message and f"{name} in {root} cannot be read" in message  # which, where
-    assert f"--data-dir {shlex.quote(str(root))}" in message and data._LOADERS[name][1] in message
     assert bool(fetched) == (download and name in ("cifar100", "imagenet-r", "fashion-mnist"))
+    assert "\n" not in message
+    if fetched:
+        file = root / fetched[0].rsplit("/", 1)[1]
+        assert message.startswith(f"{file} cannot be read (OSError: offline): it is missing: put "
+                                  f"it there from {fetched[0]}"), message
+    else:
+        assert f"{name} in {root} cannot be read" in message  # which, where
+        assert f"--data-dir {shlex.quote(str(root))}" in message
+        assert data._LOADERS[name][1] in message
 
 
 # ============== janus_min.py, the method: LoRA and Theorem 3.1, GR, OE, DML, ours ===============
@@ -1191,7 +1204,8 @@ def test_evaluate_on_hand_built_cases():
         heads[1].weight.copy_(torch.eye(D)[2:])
         heads[1].bias.fill_(10.0)  # dominates every sample
     cfg = jm.Config(batch_size=5, workers=0, device="cpu")
-    agnostic, aware, samples = jm.evaluate(Identity(), heads, splits, tasks, cfg)
+    learner, factors = SimpleNamespace(model=Identity(), heads=heads), [(torch.zeros(1, 1),) * 2]
+    agnostic, aware, samples, _ = jm.evaluate(learner, splits, tasks, factors, cfg)
     assert agnostic == [0.0, 100.0] and aware == [100.0, 100.0]
     assert samples == 75.0  # 6 of 8 samples, where the mean over tasks is 50
 
@@ -1376,15 +1390,22 @@ def test_compiled_blocks_give_the_same_steps_on_every_torch_admitted(monkeypatch
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
+def _probe(model, factors, images, tasks, cfg):  # evaluate's analyses of a second task's update
+    heads = [torch.nn.LazyLinear(len(c)) for c in tasks]  # their accuracies are not read
+    learner, splits = SimpleNamespace(model=model, heads=heads), SimpleNamespace(test=images)
+    return jm.evaluate(learner, splits, tasks, factors, cfg)[3]
+
+
 def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_memory():
-    """probe: per layer ||X dW^T||_F^2 / tokens over past and current K/V inputs, dW = s B A."""
+    """evaluate's analyses, in the pass of its accuracies: per layer ||X dW^T||_F^2 / tokens over
+    past and current K/V inputs, dW = s B A; and the current task's z and y."""
     torch.manual_seed(9)
     model = vit.PRESETS["vit_tiny"](depth=2, img_size=32, patch_size=8).eval()
     factors = [(torch.randn(3, 192), torch.randn(192, 3)) for _ in range(4)]
     images = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8)
     y = torch.tensor([0, 1, 2, 3, 4] * 2)
     cfg = jm.Config(device="cpu", batch_size=4, workers=0, lora_scale=0.5)
-    energy, z, z_y = jm.probe(model, factors, _images(images, y.tolist()), [3, 4], cfg)
+    energy, z, z_y = _probe(model, factors, _images(images, y.tolist()), [[0, 1, 2], [3, 4]], cfg)
     with torch.no_grad():
         z_all, kv = model.encode(images.float() / 255)
     current = y >= 3  # classes 3, 4: the current task
@@ -1409,8 +1430,8 @@ def test_interference_equals_the_dense_computation_and_is_round_off_inside_the_m
     for X, expected in ((X_in, 0.0), (X_in + outside, float((outside @ dW.T).norm() / 8))):
         model = Identity()
         model.kv = X[None]  # one "image" of 64 tokens, of a past class
-        energy = jm.probe(model, [(layer.A.detach(), layer.B.detach())], _images(
-            torch.zeros(1, 1, 1, 1, dtype=torch.uint8), [0]), [1], cfg)[0]
+        energy = _probe(model, [(layer.A.detach(), layer.B.detach())], _images(
+            torch.zeros(1, 1, 1, 1, dtype=torch.uint8), [0]), [[0], [1]], cfg)[0]
         past = float(energy[0, 0].sqrt())
         assert past == pytest.approx(expected, abs=1e-5 * float(dW.norm() * X.norm() / 8))
 
@@ -1957,7 +1978,10 @@ def test_end_to_end_results_lr_memory_and_learning(tiny_run):
     assert re.findall(r"^seed 0 task (\d) accuracy per task: ([\d. ]+?)  \|", log, re.M) == [
         (str(t + 1), " ".join(f"{a:.2f}" for a in row)) for t, row in enumerate(A)]
     assert len(re.findall("^seed 0 task [23] analyses: ", log, re.M)) == 2
-    assert len(re.findall(r"^note: at [\d.]+ img/s on cpu, the run's training", log, re.M)) == 1
+    # 288 training images, then each task's end (288) and its evaluation (32, 64, 96 images)
+    assert len(re.findall(r"^note: at [\d.]+ img/s on cpu, the run takes about .* to train \(2 "
+                          r"epoch\(s\) of 288 images, 1 seed\(s\)\), and at most .* more for 480 "
+                          "images per seed without gradients", log, re.M)) == 1
     steps = len(tiny_run["lr"]) // 6  # 3 tasks x 2 epochs
     assert tiny_run["lr"] == pytest.approx([5e-3 * jm.lr_factor(e, 2, "inflora") for _ in range(3)
                                             for e in range(2) for _ in range(steps)])
@@ -2041,73 +2065,87 @@ def _same_records(a, b):
     return all(a[key] == b[key] for key in RECORDED)
 
 
+def _tasks_done(folder, seed=0):  # the tasks that a seed's state holds
+    state = jm.read_state(jm.seed_file(folder, seed))
+    return len(state["record"]["acc_matrix"]) if state else 0
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):  # SHORT, never stopped: the numbers a continued run must reach
+    out = tmp_path_factory.mktemp("short") / "run"
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()):
+        mp.setattr(jm, "draw", lambda *args: [])
+        assert jm.main(SHORT + ["--out", str(out)]) == 0
+    return dict(out=out, res=_results(out))
+
+
 def test_ctrl_c_then_the_same_command_continues_to_the_same_numbers_and_then_trains_nothing(
-        tiny_run, tmp_path, monkeypatch, capsys, no_plots):
-    """Ctrl-C as task 2 starts, then as task 3 does, each followed by the same command (its folder
-    follows from its flags): the numbers of the run never stopped, bit for bit; run again once
-    finished, the command trains nothing and writes the outputs again."""
+        short_run, tmp_path, monkeypatch, capsys, no_plots):
+    """Ctrl-C as task 2 starts, then the same command (its folder follows from its flags, and the
+    line gives it as it was started): the numbers of the run never stopped, bit for bit; run
+    again once finished, it trains nothing and writes the outputs again."""
     monkeypatch.chdir(tmp_path)
-    for t in (2, 3):
-        with ctrl_c_at_task(t):
-            assert jm.main(TINY) == 130
-        assert capsys.readouterr().err == ("\ninterrupted (SIGINT): the same command continues: "
-                                           f"python janus_min.py {shlex.join(TINY)}\n")
-    assert jm.main(TINY) == 0
-    assert "seed 0: continued after task 2" in capsys.readouterr().out
-    folder = Path(jm.configure(TINY).out)
-    assert _same_records(_results(folder)["runs"][0], tiny_run["res"]["runs"][0])
+    monkeypatch.setattr(sys, "argv", ["../src/janus_min.py", *SHORT])  # as Python was started
+    monkeypatch.setattr(sys, "orig_argv", ["python3", "../src/janus_min.py", *SHORT])
+    with ctrl_c_at_task(2):
+        assert jm.main(SHORT) == 130
+    assert capsys.readouterr().err == ("\ninterrupted (SIGINT): the same command continues: "
+                                       f"python3 ../src/janus_min.py {shlex.join(SHORT)}\n")
+    assert jm.main(SHORT) == 0
+    assert "seed 0: continued after task 1" in capsys.readouterr().out
+    folder = Path(jm.configure(SHORT).out)
+    assert _same_records(_results(folder)["runs"][0], short_run["res"]["runs"][0])
     # the folder: from the values that differ from their defaults (a flag added later has none)
-    assert jm.configure(TINY + ["--tau", "0.07", "--workers", "1"]).out == str(folder)
+    assert jm.configure(SHORT + ["--tau", "0.07", "--workers", "1"]).out == str(folder)
     real = jm.identity
     monkeypatch.setattr(jm, "identity", lambda c: {k: v for k, v in real(c).items() if k != "tau"})
-    assert jm.configure(TINY).out == str(folder)  # as if --tau did not exist yet
+    assert jm.configure(SHORT).out == str(folder)  # as if --tau did not exist yet
     monkeypatch.setattr(jm, "identity", real)
-    assert jm.configure(TINY + ["--tau", "0.08"]).out != str(folder)
+    assert jm.configure(SHORT + ["--tau", "0.08"]).out != str(folder)
     before = (folder / "results.json").read_text()
     (folder / "results.json").unlink()
-    monkeypatch.setattr(jm, "load_data_and_backbone", None)  # nothing to train: no data needed
-    assert jm.main(TINY) == 0 and (folder / "results.json").read_text() == before
+    monkeypatch.setattr(jm, "load_data_and_backbone", pytest.fail)  # nothing to train: no data
+    assert jm.main(SHORT) == 0 and (folder / "results.json").read_text() == before
 
 
-def _tasks_done(folder):  # the tasks that the state's unfinished seed has finished
-    return len(((jm.read_state(folder) or {}).get("record") or {}).get("acc_matrix", []))
-
-
-def test_sigkill_and_sigterm_then_the_same_command_give_the_same_numbers(tiny_run, tmp_path):
-    """A real run killed (SIGKILL) after task 1, the same command stopped by a scheduler's SIGTERM
-    after task 2 (its line, exit 143), then the same command again: the uninterrupted numbers."""
+def test_sigkill_and_sigterm_then_the_same_command_give_the_same_numbers(short_run, tmp_path):
+    """A real run killed (SIGKILL) once task 1 is saved; the same command stopped by a scheduler's
+    SIGTERM (exit 143, the command as it was started); then the same command: the numbers of the
+    run never stopped."""
     folder = tmp_path / "run"
-    argv = [sys.executable, jm.__file__, *TINY, "--out", str(folder)]
-    for tasks, sig in ((1, signal.SIGKILL), (2, signal.SIGTERM)):
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        while p.poll() is None and _tasks_done(folder) < tasks:
-            time.sleep(0.05)
-        p.send_signal(sig)
-        err = p.communicate()[1]
-        assert p.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 143), err
-    assert err.splitlines()[-1] == ("interrupted (SIGTERM): the same command continues: python "
-                                    f"janus_min.py {shlex.join(argv[2:])}")
+    argv = [sys.executable, jm.__file__, *SHORT, "--out", str(folder)]
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    while p.poll() is None and _tasks_done(folder) < 1:
+        time.sleep(0.02)
+    p.kill()
+    assert p.wait() == -signal.SIGKILL and _tasks_done(folder) == 1
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline()  # its first line: it has started
+    p.send_signal(signal.SIGTERM)
+    err = p.communicate()[1]
+    assert p.returncode == 143 and err.splitlines()[-1] == (
+        f"interrupted (SIGTERM): the same command continues: {shlex.join(argv)}"), err
     assert jm.main(argv[2:]) == 0
-    assert _same_records(_results(folder)["runs"][0], tiny_run["res"]["runs"][0])
+    assert _same_records(_results(folder)["runs"][0], short_run["res"]["runs"][0])
 
 
 def test_another_configuration_is_refused_and_the_machines_flags_and_more_seeds_are_taken(
-        tiny_run, tmp_path, monkeypatch, capsys, no_plots):
+        short_run, tmp_path, monkeypatch, capsys, no_plots):
     """A run's folder refuses a flag that changes results, in one line that names it; the
     machine's flags, where the data lie and more seeds are taken (only the new seed trains); a
     state written before a flag existed reads its default."""
     folder = tmp_path / "run"
-    shutil.copytree(tiny_run["out"], folder)
-    for argv, said in ((_without(TINY, "--lr") + ["--lr", "1e-3", "--out", str(folder)],
+    shutil.copytree(short_run["out"], folder)
+    for argv, said in ((_without(SHORT, "--lr") + ["--lr", "1e-3", "--out", str(folder)],
                         "--lr 0.005 (not 0.001)"),
                        (["--resume", str(folder), "--epochs", "3", "--k", "4"],
-                        "--epochs 2 (not 3), --k 8 (not 4)")):
+                        "--epochs 1 (not 3), --k 8 (not 4)")):
         assert jm.main(argv) == 2
         assert capsys.readouterr().err == (f"error: {folder} holds a run of {said}: choose "
                                            "another --out\n")
-    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    state = torch.load(jm.seed_file(folder, 0), weights_only=True)
     del state["config"]["tau"]  # as if --tau came later
-    torch.save(state, folder / "checkpoint.pt")
+    torch.save(state, jm.seed_file(folder, 0))
     trained, real = [], jm.run_seed
     monkeypatch.setattr(jm, "run_seed", lambda learner, record, *args: trained.append(
         record["seed"]) or real(learner, record, *args))
@@ -2116,20 +2154,19 @@ def test_another_configuration_is_refused_and_the_machines_flags_and_more_seeds_
     res = _results(folder)
     assert trained == [1] and [r["seed"] for r in res["runs"]] == [0, 1]
     assert res["config"]["seeds"] == [0, 1] and res["config"]["tau"] == 0.07
-    assert _same_records(res["runs"][0], tiny_run["res"]["runs"][0])
+    assert _same_records(res["runs"][0], short_run["res"]["runs"][0])
 
 
-def test_the_unfinished_seed_goes_on_first_and_then_the_seeds_added(
-        tmp_path, monkeypatch, no_plots):
-    """Seed 1 stopped after its first task, then the command with seeds 0 and 1: seed 1 goes on
-    from its second task (a new seed's state would replace its own), then seed 0 starts."""
-    with ctrl_c_at_task(2):
-        assert jm.main(SHORT + ["--seeds", "1", "--out", str(tmp_path)]) == 130
-    started, real = [], jm.run_seed
-    monkeypatch.setattr(jm, "run_seed", lambda learner, record, *args: started.append(
-        (record["seed"], len(record["acc_matrix"]))) or real(learner, record, *args))
-    assert jm.main(SHORT + ["--seeds", "0", "1", "--out", str(tmp_path)]) == 0
-    assert started == [(1, 1), (0, 0)] and _results(tmp_path)["config"]["seeds"] == [1, 0]
+def test_a_finished_seed_keeps_its_learner_which_gives_its_last_accuracies(short_run):
+    """As the README loads it: a finished seed's state rebuilds its learner, whose evaluation of
+    the test images is the run's last row of accuracies."""
+    state = torch.load(jm.seed_file(short_run["out"], 0), map_location="cpu", weights_only=True)
+    cfg = jm.Config(**state["config"])
+    learner = jm.start_learner(cfg, 0, jm.build_model(cfg))
+    jm.restore(learner, state)
+    splits = data.load_dataset("synthetic", None, cfg.img_size, 0.0, 1.0)
+    acc = jm.evaluate(learner, splits, data.task_classes(12, cfg.tasks), None, cfg)[0]
+    assert acc == short_run["res"]["runs"][0]["acc_matrix"][-1]
 
 
 HOLDER = """import fcntl, sys
@@ -2139,30 +2176,133 @@ print("held", flush=True)
 sys.stdin.read()"""
 
 
+def _held(path):  # whether a process holds the lock file (flock: this one too, by another open)
+    with open(path, "a") as f:
+        try:
+            jm.fcntl.flock(f, jm.fcntl.LOCK_EX | jm.fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        jm.fcntl.flock(f, jm.fcntl.LOCK_UN)
+        return False
+
+
+def _seeds_of_rows(folder):  # table.md's rows and their seeds
+    return re.findall(r"^\| (\S+) \| `[^`]*` \| ([\d ]+) \|", (folder / "table.md").read_text(),
+                      re.M)
+
+
 @pytest.mark.skipif(not jm.fcntl, reason="Windows: no lock")
-def test_a_folder_that_another_process_runs_is_left_to_it(tmp_path, capsys, no_plots):
-    """While another process holds a run's folder, a run there is refused in one line, and
-    --reproduce runs the other rows, says so, and names the row missing in table.md; once the
-    holder has died (SIGKILL), its lock is free, and the same command runs its row."""
-    sets = tmp_path / "set"
-    (sets / "lora-gpm").mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(sets / "lora-gpm" / "lock")],
+def test_the_jobs_of_an_array_share_a_run_and_its_table_names_the_seeds_done(
+        tmp_path, monkeypatch, capsys, no_plots):
+    """Jobs over the seeds of one run: while another process holds seed 0, a job of seeds 0 and 1
+    runs seed 1 alone, says so, and its table names seed 1; once the holder has died (SIGKILL),
+    a job of seed 0 runs it, and the table names seeds 0 and 1. Each seed's state is written
+    while its lock is held, the outputs while the folder's is, and all are free at the end."""
+    folder, held, real = tmp_path / "run", [], jm.written
+    folder.mkdir()
+
+    def written(path, content):
+        lock = path + ".lock" if path.endswith(".pt") else os.path.join(folder, "lock")
+        held.append(_held(lock))
+        return real(path, content)
+    monkeypatch.setattr(jm, "written", written)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, jm.seed_file(folder, 0) + ".lock"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    argv = SHORT + ["--reproduce", "gr-plugin", "--out", str(sets)]
     try:
         assert holder.stdout.readline() == "held\n"
-        assert jm.main(SHORT + ["--out", str(sets / "lora-gpm")]) == 2
-        assert capsys.readouterr().err == (f"error: {sets}/lora-gpm is in use by another process: "
-                                           "wait for it to end, or choose another --out\n")
-        assert jm.main(argv) == 0
-        assert f"lora-gpm: {sets}/lora-gpm is in use by another process" in capsys.readouterr().out
-        assert "(not finished, left out: lora-gpm)" in (sets / "table.md").read_text()
+        assert jm.main(SHORT + ["--seeds", "0", "1", "--out", str(folder)]) == 0
+        assert "seed 0: another process runs it: left to it" in capsys.readouterr().out
+        assert _seeds_of_rows(folder) == [("janus", "1")]
     finally:
         holder.kill()
         holder.wait()
-    assert jm.main(argv) == 0
-    table = (sets / "table.md").read_text()
-    assert "left out" not in table and "| lora-gpm | `--method lora-gpm` | 1 |" in table
+    assert jm.main(SHORT + ["--seeds", "0", "--out", str(folder)]) == 0
+    assert _seeds_of_rows(folder) == [("janus", "0 1")] and _results(folder)["config"]["seeds"] == [
+        0, 1]
+    assert len(held) == 2 * (2 + 2) and all(held)  # per job: the states of 2 tasks, 2 outputs
+    assert not any(_held(lock) for lock in folder.glob("*lock"))
+
+
+def test_a_sets_table_has_the_rows_that_other_jobs_ran_and_says_where_their_seeds_differ(
+        tmp_path, capsys, no_plots):
+    """Each job runs one row of a --reproduce set (--row, printed as typed once); the table after
+    the last has every row, each with its seeds, and says that they differ."""
+    argv = SHORT + ["--reproduce", "gr-plugin", "--out", str(tmp_path)]
+    assert jm.main(argv + ["--row", "lora-gpm"]) == 0
+    assert "(not finished, left out: lora-gpm-gr)" in (tmp_path / "table.md").read_text()
+    assert jm.main(argv + ["--row", "lora-gpm-gr", "--seeds", "0", "1"]) == 0
+    assert f"{shlex.join(argv + ['--seeds', '0', '1', '--row', 'lora-gpm-gr'])}\n" in (
+        capsys.readouterr().out)
+    table = (tmp_path / "table.md").read_text()
+    assert _seeds_of_rows(tmp_path) == [("lora-gpm", "0"), ("lora-gpm-gr", "0 1")]
+    assert "left out" not in table and table.startswith("# --reproduce gr-plugin") and (
+        "(the rows' seeds differ)" in table.splitlines()[0])
+
+
+class Failing:  # a file whose writes stop half-way, as on a full disk
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        self.f.close()
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_write_that_fails_half_way_leaves_every_file_whole_and_no_temporary_one(
+        short_run, tmp_path, monkeypatch, capsys, no_plots):
+    """The k-th write of a run (the states after tasks 1 and 2, results.json, table.md) stops
+    half-way: the run stops in one line that names the file, the reason and what to do; every
+    file there is whole (a state of the tasks before, or none) and none is temporary; the same
+    command then ends with the numbers of a run never stopped."""
+    names = ["seed0.pt", "seed0.pt", "results.json", "table.md"]  # the run's writes, in turn
+    kept = [[], ["seed0.pt"], ["seed0.pt"], ["results.json", "seed0.pt"]]  # whole, before each
+    for k, (name, whole) in enumerate(zip(names, kept), 1):
+        folder, opened = tmp_path / str(k), []
+
+        def failing(path, mode="r", *args, **kwargs):
+            f = open(path, mode, *args, **kwargs)
+            opened.append(str(path).endswith(".tmp"))
+            return Failing(f) if str(path).endswith(".tmp") and sum(opened) == k else f
+        monkeypatch.setattr(jm, "open", failing, raising=False)
+        assert jm.main(SHORT + ["--out", str(folder)]) == 2
+        monkeypatch.delattr(jm, "open")
+        assert capsys.readouterr().err == (
+            f"error: cannot write {folder / name}: No space left on device: free some space, "
+            "then run the same command: the run goes on after its last saved task\n")
+        assert sorted(p.name for p in folder.iterdir() if not p.name.endswith("lock")) == whole
+        assert _tasks_done(folder) == min(k - 1, 2)  # the state of the tasks before, whole
+        if "results.json" in whole:
+            assert _results(folder)["runs"][0]["seed"] == 0
+    assert jm.main(SHORT + ["--out", str(tmp_path / "2")]) == 0  # it stopped before task 2's save
+    assert _same_records(_results(tmp_path / "2")["runs"][0], short_run["res"]["runs"][0])
+
+
+def test_a_closed_standard_output_costs_nothing_and_each_line_comes_after_its_save(
+        short_run, tmp_path, monkeypatch):
+    """A task's lines are written once its state is saved; when the reader of standard output
+    leaves (| head -2), the run goes on to its end, every task saved, its outputs written."""
+    read, write = os.pipe()
+    lines, reader = [], [read]
+
+    class Head(io.FileIO):  # the pipe's write end, whose reader leaves after two lines
+        def write(self, b):
+            for t in re.findall(rb"^seed 0 task (\d) accuracy", bytes(b), re.M):
+                assert _tasks_done(tmp_path) >= int(t)  # the line reports what is saved
+            lines.extend(bytes(b).splitlines())
+            if len(lines) >= 2 and reader:
+                os.close(reader.pop())
+            return super().write(b)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(Head(write, "w")),
+                                                        line_buffering=True))
+    assert jm.main(SHORT + ["--out", str(tmp_path)]) == 0
+    assert _tasks_done(tmp_path) == 2 and len(lines) > 10  # it went on, and so did its lines
+    assert _same_records(_results(tmp_path)["runs"][0], short_run["res"]["runs"][0])
 
 
 @pytest.fixture(scope="module")
@@ -2170,8 +2310,10 @@ def bad_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "junk.pth").write_bytes(b"not a checkpoint")
     (d / "afile").write_text("x")
-    (d / "damaged").mkdir()
-    (d / "damaged" / "checkpoint.pt").write_bytes(b"PK\x03\x04 cut short")
+    for name, state in (("damaged", b"PK\x03\x04 cut short"), ("foreign", None)):
+        (d / name).mkdir()
+        (d / name / "seed0.pt").write_bytes(state or b"")
+    torch.save({"model": {}, "epoch": 3}, d / "foreign" / "seed0.pt")  # another program's
     return d
 
 
@@ -2185,22 +2327,30 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "share": (TINY + ["--gpm-threshold", "0.9", "1.5"], "1.5: must be a share in (0, 1]"),
     "choice": (TINY + ["--method", "lora"], "argument --method: invalid choice: 'lora'"),
     "prefix": (TINY + ["--seed", "1"], "unrecognized arguments: --seed 1"),
-    "device": (TINY + ["--device", "gpu"], "argument --device: Expected one of"),
+    "device": (TINY + ["--device", "gpu"], "argument --device: gpu: Expected one of"),
+    **({} if torch.cuda.is_available() else {"cuda": (TINY + ["--device", "cuda"],
+                                                      "argument --device: cuda: ")}),
     "rank": (TINY + ["--rank", "500"], "--rank, --k: at most vit_tiny's width, 192"),
     "tasks": (TINY + ["--tasks", "5"], "--tasks 5 does not split 12 classes"),
     "img": (TINY + ["--img-size", "30"], "--img-size: a multiple of --patch-size"),
     "inflora": (TINY + ["--lora-a", "inflora"], "GR trains: add --no-gr"),
     "rank 0": (TINY + ["--rank", "0"], "--rank 0 trains no adapter for GR to rectify: add --no-gr"),
     "seeds": (TINY + ["--seeds", "1", "1"], "--seeds: name each seed once"),
-    "row": (TINY + ["--reproduce", "k", "--row", "3"], "--row 3: not a row of the --reproduce set"),
+    "row": (TINY + ["--reproduce", "k", "--row", "3"], "--row 3: not a row of --reproduce k (k25"),
+    "dry-run": (TINY + ["--dry-run"], "--row and --dry-run go with --reproduce NAME"),
     "range": (CKPT + ["--input-range", "checkpoint", "--weights", "{tmp}/junk.pth"],
               "--input-range checkpoint needs a named --weights"),
     "weights": (CKPT + ["--weights", "{tmp}/junk.pth"], "junk.pth"),
     "name": (CKPT + ["--weights", "imagenet"], "--weights imagenet is neither a known name"),
-    "data": (CIFAR + ["--data-dir", "{tmp}/nodata"], "cifar100 in {tmp}/nodata"),
-    "out": (TINY + ["--out", "{tmp}/afile/run"], "{tmp}/afile/run"),
-    "state": (TINY + ["--out", "{tmp}/damaged"], "{tmp}/damaged/checkpoint.pt cannot be read"),
-    "resume": (["--resume", "{tmp}"], "--resume {tmp}: no run's checkpoint.pt in that folder")}
+    "data": (CIFAR + ["--data-dir", "{tmp}/nodata"], "--data-dir {tmp}/nodata: no such folder"),
+    "out": (TINY + ["--out", "{tmp}/afile/run"], "cannot write {tmp}/afile/run: Not a directory: "
+            "choose another --out"),
+    "out file": (TINY + ["--out", "{tmp}/afile"], "cannot write {tmp}/afile: File exists: "),
+    "state": (TINY + ["--out", "{tmp}/damaged"], "{tmp}/damaged/seed0.pt is no seed's state of "
+              "janus_min.py (RuntimeError): move it away"),
+    "foreign": (TINY + ["--out", "{tmp}/foreign"], "{tmp}/foreign/seed0.pt is no seed's state of "
+                "janus_min.py (dict)"),
+    "resume": (["--resume", "{tmp}"], "--resume {tmp}: no seed's state (seed<N>.pt) in that")}
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
@@ -2257,7 +2407,8 @@ def test_each_metric_is_its_definition_and_the_summary_and_table_report_it(tmp_p
         "s / task": 2.5})
     one_task = dict(record, acc_matrix=[[90.0]], task_aware=[[95.0]])
     assert jm.METRICS["BWT"][0](one_task) is None  # undefined with one task
-    runs = [dict(record, metrics=got), dict(record, metrics={k: v + 1 for k, v in got.items()})]
+    runs = [dict(record, seed=0, metrics=got),
+            dict(record, seed=1, metrics={k: v + 1 for k, v in got.items()})]
     summary = jm.summarize(runs)
     assert summary["ACC"] == pytest.approx({"mean": got["ACC"] + 0.5, "std": 2 ** -0.5})
     assert jm.summarize(runs[:1] + [dict(record, metrics=dict(got, BWT=None))])["BWT"] == {
@@ -2314,11 +2465,10 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
         "lora-gpm", "lora-gpm-gr"]  # Fig. 6: before GR, then after
     for name, (_, r, _) in jm.REPRODUCE.items():  # --dry-run: each row's own command
         assert jm.main(base + ["--reproduce", name, "--dry-run"]) == 0
-        printed = re.findall(r"^(\S+) \(.*\): python janus_min.py (.*)$", capsys.readouterr().out,
-                             re.M)
+        printed = re.findall(r"^(\S+) \(.*\): (.*)$", capsys.readouterr().out, re.M)
         assert [row for row, _ in printed] == list(r)
-        assert all(shlex.split(argv) == base + ["--reproduce", name, "--row", row]
-                   for row, argv in printed)
+        assert all(shlex.split(argv)[-len(base) - 4:] == base + ["--reproduce", name, "--row", row]
+                   for row, argv in printed)  # as the program was started, then its flags
 
 
 # ---- The paper's figures, drawn from hand-built rows: the values the artists hold --------------
@@ -2562,7 +2712,7 @@ def _watch(argv, stop_at=None):
     out = Path(argv[argv.index("--out") + 1])
     return dict(seen, argv=argv, code=code, log=log.getvalue(), out=out,
                 res=_results(out) if code == 0 else None,
-                cfg=jm.Config(**jm.read_state(out)["config"]))
+                cfg=jm.Config(**jm.states(out)[0]["config"]))
 
 
 @pytest.fixture(scope="module")
@@ -2593,13 +2743,14 @@ def _phase_changes(cfg, t, phase):
 def _passes(cfg, t):
     """{phase: (the transform, images)} of each pass over the data in task t: the training
     transform to train; the test transform for the prototypes and GPM's covariance (the task's
-    training images), InfLoRA's A (the same), evaluation and the analyses (the seen test images)."""
+    training images), InfLoRA's A (the same), and the evaluation, whose pass serves the analyses
+    too (the seen test images)."""
     per_task = 12 // cfg.tasks
     train, test = cfg.limit_per_class * per_task, 8 * per_task * (t + 1)  # synthetic: 8 a class
     counts = {"start_task": ("test", train if cfg.lora_a == "inflora" else 0),
               "train_task": ("train", cfg.epochs * train),
               "end_task": ("test", train * (2 if cfg.oe and cfg.memory == "gpm" else 1)),
-              "evaluate": ("test", test), "record_analyses": ("test", test if t else 0)}
+              "evaluate": ("test", test)}
     return {phase: ({kind}, n) for phase, (kind, n) in counts.items() if n}
 
 
