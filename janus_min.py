@@ -16,10 +16,10 @@ Where the code reads the paper differently, or fills a silence (the README says 
   the paper's Fig. 1), not with the current task's V: projecting out the task's own subspace would
   remove most of its gradient. K and V of a block share their input, and so one M. At the end of
   each task its V, all k columns, joins M (OnlineSubspace.merge): M grows by k columns per task,
-  and a block whose M is full (ViT-B at k = 50, in task 16) learns no more in K and V. Two other
-  rules are ours and opt-in: --oe-share adds only the directions of V that bring M to that share
-  of the task's K/V-input energy, and --memory oe-rolling projects with V itself, one V estimating
-  all the tasks' inputs, as the paper's words can be read.
+  and once a block's M is full (ViT-B at k = 50: at the end of task 16) its K and V learn no more.
+  Two other rules are ours and opt-in: --oe-share adds only the directions of V that bring M to
+  that share of the task's K/V-input energy, and --memory rolling projects with V itself, one V
+  estimating all the tasks' inputs, as the paper's words can be read.
 - G is dL/dW of Eq. (12)'s total loss, as Sec. 3 says; the appendix names the task loss's. Eq. (4)
   as printed has the wrong shapes and no s: the chain rule gives s B^T G and s G A^T, which GR's
   Eqs. (6)-(7) take divided by s (rectify_gradients_).
@@ -31,8 +31,8 @@ Where the code reads the paper differently, or fills a silence (the README says 
   Adam's step, on the K/V inputs of the forward pass before it (OnlineSubspace.update).
 - OE's step replaces Eq. (9)'s plain gradient step (ours): it is preconditioned by S^-1, with
   S = V^T X_p^T X_p V plus a ridge of 1e-6 of its mean eigenvalue, and its size is eta =
-  oe_lr d / (d + t) after t steps, 5 / (5 + t) with the defaults. Eq. (10)'s R is taken with a
-  positive diagonal (OnlineSubspace.update, qr_q).
+  oe_lr n / (n + t) after t steps, n = --oe-decay-steps: 5 / (5 + t) with the defaults. Eq. (10)'s
+  R is taken with a positive diagonal (OnlineSubspace.update, qr_q).
 - DML's old prototypes (and the energies of --oe-share) need a pass over each task's training
   images at its end, though the paper calls OE free of offline passes: one forward pass, about
   half an epoch's compute, as a frozen backbone's backward costs about its forward (end_task).
@@ -43,7 +43,8 @@ Where the code reads the paper differently, or fills a silence (the README says 
   and the old prototypes, each a finished class's unit mean of the unit features of its training
   images, under the test transform (dml_loss, end_task, class_prototypes).
 - LoRA's life: s = 1. Each task starts a fresh pair, A drawn off M and B = 0, and folds s B A into
-  W0 at its end (LoRALinear.reset_, merge_). B = 0 is a choice: with GR, a task's first dA is 0.
+  W0 at its end (LoRALinear.reset_, merge_). B = 0 is a choice: then A's gradient, s B^T G, is 0,
+  and each task's first step changes B alone.
 - Under bf16 autocast, A's split off M and OE's products stay in float32, and GR and the small
   systems run in float64 (LoRALinear.forward, rectify_factors, OnlineSubspace.update).
 - Ours beside the paper's: GR on Adam's step, --rectify update (rectified_adam_step_); the frozen
@@ -73,13 +74,8 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict
-from dataclasses import dataclass
-from dataclasses import field
-from dataclasses import fields
-from dataclasses import replace
-from functools import cache
-from functools import partial
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -90,19 +86,20 @@ import data
 import vit
 
 try:
-    import fcntl  # POSIX's file locks (Linux, macOS): one process a run folder
+    import fcntl  # POSIX's file locks (Linux, macOS): one process per seed of a run
 except ImportError:  # Windows: runs without the lock
     fcntl = None
 
 
 def checked(kind, ok, what):
-    """A flag's type: kind(text), refused in argparse's one line unless finite and ok."""
+    """The type of a flag: kind(text), which argparse refuses in one line unless it is finite
+    and ok."""
     def convert(text):
         value = kind(text)
         if not (math.isfinite(value) and ok(value)):
             raise argparse.ArgumentTypeError(f"{text}: must be {what}")
         return value
-    convert.__name__ = kind.__name__  # argparse's "invalid int value: '1.5'"
+    convert.__name__ = kind.__name__  # so that argparse names the type: "invalid int value"
     return convert
 
 
@@ -115,10 +112,13 @@ SHARE = checked(float, lambda v: 0 < v <= 1, "a share in (0, 1]")
 
 def device(text):
     """A --device: auto, or a device that torch can use on this machine."""
+    if text == "auto":
+        return text
     try:
-        return text if text == "auto" else str(torch.empty(0, device=text).device)
+        torch.empty(0, device=text)  # CUDA starts here: a device this machine lacks fails now
     except (RuntimeError, AssertionError) as e:  # no such name, or no such device here
         raise argparse.ArgumentTypeError(f"{text}: {str(e).splitlines()[0]}") from None
+    return str(torch.device(text))
 
 
 def _opt(default, help, **argparse_kw):
@@ -128,8 +128,9 @@ def _opt(default, help, **argparse_kw):
 
 @dataclass
 class Config:
-    """The hyperparameters, each a flag of `python janus_min.py --help`. None: the data set's.
-    Without --method, the defaults run the paper's method, Janus-LoRA."""
+    """The hyperparameters, each a flag of `python janus_min.py --help`; a field left at None
+    takes the data set's value (data.DATASETS). Without --method, the defaults run the paper's
+    method, Janus-LoRA."""
     # Data and protocol: the paper's Sec. 4.1, and the InfLoRA codebase, which the paper ran on.
     dataset: str = _opt("cifar100", "data set (Sec. 4.1)", choices=list(data.DATASETS))
     data_dir: str = _opt("data", "folder that holds (or receives) the data set")
@@ -162,9 +163,11 @@ class Config:
                          choices=["inflora", "cosine"])
     k: int = _opt(50, "rank k of each block's OE basis V (Sec. 4.1): at the end of each task its k "
                   "columns join the block's memory M", type=COUNT)
-    oe_lr: float = _opt(1.0, "OE's first step eta, at a task's start (the run's under oe-rolling);"
-                        " at 1, a step of subspace iteration (ours)", type=POSITIVE)
-    oe_decay_steps: int = _opt(5, "OE's step halves after this many, then decays as 1/t (ours)",
+    oe_lr: float = _opt(1.0, "OE's first step size eta, at each task's start (the run's, under "
+                        "--memory rolling); at 1, a step of subspace iteration (ours)",
+                        type=POSITIVE)
+    oe_decay_steps: int = _opt(5, "OE's step size halves after this many steps, then decays as "
+                               "1 / t (ours)",
                                type=COUNT)
     oe_share: float = _opt(1.0, "ours: V's directions join M only until M holds this share of "
                            "the task's K/V-input energy (1: all k columns, the paper's)",
@@ -186,8 +189,9 @@ class Config:
     dml: bool = _opt(True, "the Decoupled Margin Loss (Table 1's ablation)")
     rectify: str = _opt("grad", "GR on the gradients Adam takes (the paper's) or on Adam's step "
                         "(ours)", choices=["grad", "update"])
-    memory: str = _opt("oe", "memory M: each task's OE basis joins it (ours), V itself (the "
-                       "paper's words), or GPM's", choices=["oe", "oe-rolling", "gpm"])
+    memory: str = _opt("tasks", "memory M: the finished tasks' OE bases (the paper's), OE's V as "
+                       "it moves (the paper's words read literally), or GPM's",
+                       choices=["tasks", "rolling", "gpm"])
     gpm_threshold: list = _opt(None, "GPM's energy share at task 1 and at the end (InfLoRA's: "
                                "0.95 1, ImageNet-R 0.98 1)", nargs=2, type=SHARE)
     lora_a: str = _opt("trained", "each task's A: trained (the paper's), or off M and frozen "
@@ -207,24 +211,23 @@ class Config:
                     "of the other flags that change results>): the same command continues it")
     resume: str = _opt(None, "continue the run in this folder with its own flags")
     # The other modes.
-    benchmark: bool = _opt(False, "time plain LoRA and Janus-LoRA steps, then exit",
-                           action="store_true")
+    benchmark: bool = _opt(False, "time plain LoRA and Janus-LoRA steps, then exit")
     steps: int = _opt(20, "--benchmark: timed rounds (after 5 warm-up steps)", type=COUNT)
     reproduce: str = _opt(None, "run each row of a table or figure of the paper, then table.md")
     row: str = _opt(None, "with --reproduce: run this row alone (one job of an array)")
-    dry_run: bool = _opt(False, "with --reproduce: print the rows' commands", action="store_true")
+    dry_run: bool = _opt(False, "with --reproduce: print the rows' commands")
 
 
 # ==== 1. The method (Sec. 3) ======================================================================
 @dataclass
 class Learner:
-    """What the method carries from one task to the next. The memory's life under --memory oe:
-    during a task each block's M is fixed, and the LoRA pairs and OE's V train off it; at the
-    task's end W0 takes s B A, M takes V's directions until it holds --oe-share of the task's K/V
-    energy, then A is drawn again off the new M, B = 0, and a fresh V starts off it too."""
+    """What the method carries from one task to the next. During a task each block's M is fixed,
+    and the LoRA pairs and OE's V train off it; at its end W0 takes s B A, M takes V, and A, B and
+    V start afresh off the new M. Each field is saved and restored whole (learner_state,
+    restore): a field added here needs no edit there."""
     model: nn.Module  # the frozen ViT; its K and V layers are LoRALinear, merged at each task's end
     heads: nn.ModuleList  # one linear head per task so far; the last is the current task's
-    oe: "OnlineSubspace"  # OE's basis V of each block for the current task; None without OE
+    subspace: "OnlineSubspace"  # OE's basis V of each block; None without OE, or under GPM
     memory: list  # each block's memory M (D, m): the finished tasks' OE (or GPM's) bases
     prototypes: torch.Tensor  # (old classes, D), unit rows: DML's old prototypes, C_past
 
@@ -251,11 +254,10 @@ def train_step(learner, opt, images, y, cfg):
         loss = loss + cfg.lambda_dml * dml
 
     # The safe gradient, Theorem 3.1: G_safe = G (I - M M^T) for G = dL/dW of each K and V layer,
-    # where M is its block's memory, set at the task's start (start_task). The forward pass made
-    # the projection: LoRALinear (below) holds A's part in span(M) constant, so this backward pass
-    # leaves s B^T G_safe in A.grad and s G_safe A^T in B.grad.
+    # M its block's memory. The forward pass set up the projection (LoRALinear derives it), so
+    # the backward pass leaves s B^T G_safe in A.grad and s G_safe A^T in B.grad, not G's.
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # Eq. (3): the safe gradient's factor gradients
 
     # GR, Eqs. (5)-(7): the factor gradients whose composite update s (B dA + dB A) best matches
     # G_safe. Adam takes them, as the paper says. Ours, --rectify update, rectifies the step that
@@ -270,11 +272,12 @@ def train_step(learner, opt, images, y, cfg):
         rectified_adam_step_(opt, layers, cfg.delta)
 
     # OE, Eqs. (8)-(10): each block's basis V learns from the K/V inputs of the forward pass above,
-    # made before Adam's step, staying off the memory. Ours: V joins M at the task's end, and until
-    # then the safe gradient projects with M alone, because projecting out the current task's own
-    # subspace would remove most of its gradient.
-    if learner.oe is not None:
-        learner.oe.update(kv_inputs, learner.memory)
+    # off the memory. V joins M at the task's end (the module docstring's first reading says why
+    # not sooner). Under --memory rolling, M is V itself, as this step leaves it.
+    if learner.subspace is not None:
+        learner.subspace.update(kv_inputs, learner.memory)
+        if cfg.memory == "rolling":
+            give_memory(model, protected(learner, cfg))
     return loss.detach(), (logits.argmax(1) == y).sum()
 
 
@@ -282,10 +285,14 @@ def train_step(learner, opt, images, y, cfg):
 class LoRALinear(nn.Linear):
     """Eq. (1): a frozen linear layer W0 (the ViT's K or V) plus s B A, with A (r, d_in) and
     B (d_out, r) trained. M (d_in, m) is its block's orthonormal memory, set at each task's start
-    (start_task). The gradients are safe: the chain rule's of G_safe = G (I - M M^T). With SGD,
-    A's steps are then off M, so A stays off M (reset_ starts it there) and s B A M = 0; Adam's
-    per-coordinate scaling moves A into span(M) (in a two-task test of one layer, a fifth of the
-    update's norm, ||dW M|| / ||dW||), which --rectify update fixes."""
+    (start_task). The gradients are safe, the chain rule's of G_safe = G (I - M M^T), with no G
+    formed: forward splits A = A_out + A_in, A_in = A M M^T its part in span(M), and holds A_in
+    constant, and B where it multiplies A_in. The output and dL/dx do not change. A's gradient
+    flows through A_out = A P alone (P = I - M M^T), so dL/dA = (s B^T G) P = s B^T G_safe; B's
+    flows through its copy times A_out, so dL/dB = s G (A P)^T = s G_safe A^T, as P is symmetric.
+    The tests check both, and the output and dL/dx against autograd through W0 + s B A. With SGD,
+    A then stays off M (reset_ starts it there), so s B A M = 0; Adam's per-coordinate scaling
+    moves it into span(M) (the README's "Four facts about GR")."""
 
     def __init__(self, in_features, out_features, rank, scale):
         super().__init__(in_features, out_features)  # W0 and its bias, the checkpoint's
@@ -300,16 +307,9 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if self.M.shape[1] == 0:  # nothing to protect yet
             return out + self.scale * F.linear(F.linear(x, self.A), self.B)
-        # Theorem 3.1 through autograd: what the hooks A.grad <- A.grad P and B.grad <- s G (A P)^T
-        # would give (G = dL/dW, P = I - M M^T), without forming G. Split A = A_out + A_in, with
-        # A_in = A M M^T its part in span(M), and hold A_in, and B where it multiplies A_in,
-        # constant. The output and dL/dx do not change. A's gradient flows through A_out = A P
-        # alone, so dL/dA = (s B^T G) P = s B^T G_safe; B's flows through its copy times A_out, so
-        # dL/dB = s G (A P)^T = s (G P) A^T = s G_safe A^T, as P is symmetric. (The tests check
-        # both, the output and dL/dx against autograd through a dense W0 + s B A.)
-        # Under bf16 autocast, A's gradient is off M to float32's round-off (P applied in
-        # float32), B's accurate to bf16: harmless, as dB changes dW M = s dB (A M) by nothing
-        # while A M = 0.
+        # Theorem 3.1 through autograd, as the class's docstring derives: A_in and B's copy that
+        # multiplies it are held constant. Under bf16, B's gradient is bf16-accurate, which is
+        # harmless: while A M = 0, a change of B cannot change dW M = s dB (A M).
         with torch.autocast(x.device.type, enabled=False):  # the projection in float32 at least
             dtype = torch.promote_types(self.A.dtype, torch.float32)
             A, M = self.A.to(dtype), self.M.to(dtype)
@@ -349,8 +349,7 @@ def lora_layers(model):
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     """Eq. (11). z (B, D) features; y (B,) labels of the current task (of num_classes); old
     prototypes (P, D), unit rows. The current prototypes are the batch's unit class means, each
-    sample in its own class's, and the gradient flows through them too (ours: the paper does not
-    say); so a class of one sample in the batch gives z.p = 1."""
+    sample in its own class's, with the gradient through them (ours: the paper does not say)."""
     z = F.normalize(z.float(), dim=1)
     onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C)
     protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
@@ -434,42 +433,40 @@ class OnlineSubspace:
     def __init__(self, blocks, dim, k, lr=1.0, decay_steps=5, device=None):
         self.k, self.lr, self.decay_steps = k, lr, decay_steps
         self.V = fresh_basis([torch.zeros(dim, 0, device=device)] * blocks, k)  # (L, D, k)
-        self.t = 0  # steps so far, this task's (the run's under oe-rolling): eta decays with them
+        self.t = 0  # the steps so far, the task's (the run's under --memory rolling): eta decays
 
     @torch.no_grad()
     def update(self, X, memory):
-        """One step of OE on each block: V <- orth((1 - eta) V + eta X_p^T X_p V S^-1), eta =
-        oe_lr d / (d + t), a damped power iteration on each batch's K/V inputs, off M. It is a
-        step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2, derived below. Ours: the samples X_p are
-        all the batch's tokens, off the memory: X_p = X (I - M M^T). X: each block's K/V inputs
+        """One step of OE on each block, a damped block power iteration on the batch's K/V inputs:
+        V <- orth((1 - eta) V + eta X_p^T X_p V S^-1), with S = V^T X_p^T X_p V and eta =
+        oe_lr n / (n + t) after t steps. It is a step on Eq. (8), (1/2) ||X_p - X_p V V^T||^2,
+        preconditioned by S^-1 (ours), as the comment below derives. The samples X_p are all the
+        batch's tokens, off the memory: X_p = X (I - M M^T) (ours). X: each block's K/V inputs
         (..., D); memory: each block's M (D, m)."""
         V, M = self.V, stack_blocks(memory)  # (L, D, k), (L, D, m)
         if V.shape[-1] == 0:  # a full memory leaves nothing to learn
             return
-        # The step. With C = X_p^T X_p V, Eq. (8)'s gradient is -2 C + C V^T V + V V^T C, which is
-        # -(I - V V^T) C at V^T V = I. As M^T V = 0, X_p V = X V (x @ v below), and so
-        # S = (X_p V)^T (X_p V) = V^T C. The step below, `grad`, is that gradient times S^-1:
-        # -(I - V V^T) C S^-1. So V~ = V - eta grad = V + eta (C S^-1 - V (V^T C) S^-1)
-        # = (1 - eta) V + eta C S^-1 (ridge aside): at eta = 1, C S^-1, whose Q spans X_p^T X_p V,
-        # one step of subspace iteration. And as V^T grad = 0, V~^T V~ = I + eta^2 grad^T grad >= I:
-        # qr_q's Cholesky is safe.
-        CS = []
+        # The derivation. Let C = X_p^T X_p V. Eq. (8)'s gradient is -2 C + C V^T V + V V^T C,
+        # which is -(I - V V^T) C where V^T V = I. As M^T V = 0, X_p V = X V, and so S = V^T C.
+        # The preconditioned gradient is -(I - V V^T) C S^-1, and V minus eta times it is
+        # (1 - eta) V + eta C S^-1, the ridge aside. At eta = 1 that is C S^-1, whose columns span
+        # X_p^T X_p V: one step of subspace iteration. As V^T times the preconditioned gradient is
+        # 0, V~^T V~ = I + eta^2 (its Gram matrix) >= I, so that qr_q's Cholesky is safe.
+        power = []  # per block, X^T X_p V S^-1 (D, k): the power iteration's product
         for x, v in zip(X, V):
             x = x.reshape(-1, v.shape[0]).float()  # (n, D)
             xv = x @ v  # (n, k): X_p V
-            S = ridge(gram(xv), 1e-6)  # (k, k) preconditioner; its diagonal: each column's energy
+            S = ridge(gram(xv), 1e-6)  # (k, k); its diagonal: each column's energy
             # S^-1 before X^T: after it, S^-1 would blow X^T's round-off up along the directions
             # where S is singular (a batch of fewer tokens than k), in which the step is 0.
-            CS.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))  # (D, k): X^T X_p V S^-1
-        CS = off_span(torch.stack(CS), M)  # C S^-1 = (I - M M^T) X^T X_p V S^-1
-        grad = -(CS - V @ (V.mT @ CS))  # ours: Eq. (8)'s gradient at V^T V = I, times S^-1
-        # Ours: eta = oe_lr d / (d + t), 5 / (5 + t) with the defaults: it averages the noise.
-        lr = self.lr * self.decay_steps / (self.decay_steps + self.t)
-        V_tilde = V - lr * grad  # Eq. (9), its step preconditioned by S^-1 (ours)
+            power.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))
+        power = off_span(torch.stack(power), M)  # (I - M M^T) X^T = X_p^T: now C S^-1
+        precond_grad = -(power - V @ (V.mT @ power))  # Eq. (8)'s gradient, times S^-1 (ours)
+        # eta = oe_lr n / (n + t), 5 / (5 + t) with the defaults (ours): it averages the noise.
+        eta = self.lr * self.decay_steps / (self.decay_steps + self.t)
+        V_tilde = V - eta * precond_grad  # Eq. (9), its step preconditioned (ours)
         Q = qr_q(V_tilde)  # Eq. (10): V <- Q of V_tilde = QR; ours: R's diagonal > 0, no flips
-        # Off M again, so that no round-off leaks into span(M); in place, since under --memory
-        # oe-rolling the LoRA layers hold views of V.
-        self.V.copy_(off_span(Q, M))
+        self.V = off_span(Q, M)  # off M again, so that no round-off leaks into span(M)
         self.t += 1
 
     @torch.no_grad()
@@ -500,7 +497,9 @@ class OnlineSubspace:
             # (V is off M, so a direction adds its energy to that in span(M) whole).
             energy, U = torch.linalg.eigh(S.double())
             energy, U = energy.flip(-1), U.flip(-1)  # the most energetic first
-            before = held[:, None] + energy.cumsum(-1) - energy  # in span(M) before each joins
+            # Directions join until the energy held plus the energy added reaches share x total:
+            # before[i] is the energy in span(M) before direction i joins.
+            before = held[:, None] + energy.cumsum(-1) - energy
             wanted = (before < share * total[:, None]).sum(-1).tolist()
             n = [min(j, room) for j, room in zip(wanted, n)]
             V = V @ U.to(V.dtype)
@@ -614,9 +613,9 @@ def kv_covariance(model, images, cfg):
 def gpm_extend(M, C, threshold):
     """GPM: M (D, m) plus the fewest leading directions of (I - M M^T) C that bring the captured
     share of C's energy to the threshold; a direction's energy is its squared singular value."""
-    C, M64 = C.double(), M.double()  # once a task: float64 keeps the memory orthonormal
+    C, M64 = C.double(), M.double()  # once per task: float64 keeps the memory orthonormal
     total = torch.linalg.svdvals(C).square().sum()
-    U, s, _ = torch.linalg.svd(C - M64 @ (M64.T @ C))
+    U, s, _ = torch.linalg.svd(off_span(C, M64))
     e = s.square() / total  # (D,): each residual direction's share
     before = (1 - e.sum()) + torch.cumsum(e, 0) - e  # the share held before adding direction i
     r = min(int((before < threshold).sum()), C.shape[0] - M.shape[1])  # never past the width
@@ -627,7 +626,7 @@ def inflora_a(C, M, rank):
     """InfLoRA's A (r, D), off span(M): the top-r left singular vectors of (I - M M^T) C, over
     sqrt(3) as its code scales them."""
     C, M64 = C.double(), M.double()  # float64: the trailing vectors' round-off stays off M
-    U = off_span(torch.linalg.svd(C - M64 @ (M64.T @ C)).U[:, :rank], M64)
+    U = off_span(torch.linalg.svd(off_span(C, M64)).U[:, :rank], M64)
     return (U.T / math.sqrt(3)).to(M.dtype)
 
 
@@ -657,18 +656,18 @@ def start_learner(cfg, seed, backbone):
     for layer in lora_layers(model):
         layer.reset_()  # the first task's A comes from this seed too
     if compiled(cfg):  # ours: compiled in place, so the checkpoints' names stay the same
-        # A block is traced anew for each new shape, and the memory's width grows each task. Its
-        # width, a plain attribute's (LoRALinear.M), soon becomes a dynamic size, but the traces
-        # of the first tasks, with and without gradients, exceed dynamo's default of 8.
+        # A block is traced anew for each width of the memory, with and without gradients, before
+        # the width becomes a dynamic size: more traces than dynamo's default of 8.
         torch._dynamo.config.cache_size_limit = 64  # recompile_limit's name in every torch >= 2.4
         for block in model.blocks:
             block.compile()
     L, D = len(model.blocks), model.embed_dim
-    oe = None
+    subspace = None
     if cfg.oe and cfg.memory != "gpm":
-        oe = OnlineSubspace(L, D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device)
-    memory = [torch.zeros(D, 0, device=cfg.device)] * L  # task 1 has nothing to protect
-    return Learner(model, nn.ModuleList(), oe, memory, torch.zeros(0, D, device=cfg.device))
+        subspace = OnlineSubspace(L, D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device)
+    return Learner(model=model, heads=nn.ModuleList(), subspace=subspace,
+                   memory=[torch.zeros(D, 0, device=cfg.device)] * L,  # task 1 protects nothing
+                   prototypes=torch.zeros(0, D, device=cfg.device))
 
 
 def new_record(seed):
@@ -679,10 +678,9 @@ def new_record(seed):
 
 
 def run_seed(learner, record, splits, cfg, after_task):
-    """One seed: every task not finished yet, in turn, measured into `record`: after each task, a
-    row of each accuracy matrix, from which `metrics` gives ACC, MAA and BWT when the seed is done;
-    and the paper's analyses. after_task(learner, record) is the program's: it saves them, before
-    anything reports on them."""
+    """One seed: every task not finished yet, in turn, measured into `record` (a row of each
+    accuracy matrix, and the paper's analyses). after_task(learner, record) is the program's: it
+    saves them, before anything reports on them."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     for t in range(len(record["acc_matrix"]), cfg.tasks):
         start = time.time()  # a task's time: training and the method's passes, not the evaluation
@@ -709,12 +707,12 @@ def start_task(learner, t, tasks, splits, cfg):
     model = learner.model
     learner.heads.append(nn.Linear(model.embed_dim, len(tasks[t])).to(cfg.device))
     M = protected(learner, cfg)
-    for j, layer in enumerate(lora_layers(model)):
-        layer.M = M[j // 2]  # K and V of block j // 2 share its input, and so its memory
+    give_memory(model, M)
+    for layer in lora_layers(model):
         layer.A.requires_grad_(cfg.lora_a == "trained" and cfg.rank > 0)  # InfLoRA: B alone
         layer.B.requires_grad_(cfg.rank > 0)  # rank 0: no adapter, the backbone frozen
-    if learner.oe is not None and cfg.memory == "oe":
-        learner.oe.t = 0  # each task's fresh V starts with large steps; --memory oe-rolling's V
+    if learner.subspace is not None and cfg.memory == "tasks":
+        learner.subspace.t = 0  # each task's fresh V starts with large steps; --memory rolling's V
         # goes on with the steps of the whole run: it estimates all the tasks' inputs
     if cfg.lora_a == "inflora":
         C = kv_covariance(model, data.subset(splits.train_eval, tasks[t]), cfg)  # (L, D, D)
@@ -726,10 +724,16 @@ def start_task(learner, t, tasks, splits, cfg):
 
 def protected(learner, cfg):
     """Each block's M that its LoRA pairs stay off during a task: the finished tasks' memory; or,
-    with --memory oe-rolling (the paper's words read literally), OE's V as each step moves it."""
-    if cfg.memory == "oe-rolling" and learner.oe is not None:
-        return list(learner.oe.V)  # views of V, which OnlineSubspace.update changes in place
+    with --memory rolling (the paper's words read literally), OE's V as it stands now."""
+    if cfg.memory == "rolling" and learner.subspace is not None:
+        return list(learner.subspace.V)
     return learner.memory
+
+
+def give_memory(model, memory):
+    """Each K/V layer's M: its block's memory, as K and V of block j // 2 share their input."""
+    for j, layer in enumerate(lora_layers(model)):
+        layer.M = memory[j // 2]
 
 
 class Diverged(Exception):
@@ -756,7 +760,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
         for x, y in reported(loader, f"seed {seed} task {t + 1} epoch {epoch + 1}"):
             x, y = x.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
             loss, right = train_step(learner, opt, x, y, cfg)
-            loss_sum = loss_sum + loss * len(y)  # tensors, read once an epoch
+            loss_sum = loss_sum + loss * len(y)  # tensors, read once per epoch
             correct = correct + right
             seen += len(y)
         loss = float(loss_sum) / seen
@@ -773,10 +777,9 @@ def train_task(learner, t, tasks, splits, cfg, seed):
 
 
 def estimate(speed, splits, cfg):
-    """The note of how long the run takes at `speed` images per second: its training, and at most
-    as long again per image for its passes without gradients (a forward pass costs less than a
-    training step): each task's end over its training images, and the evaluation and analyses
-    over the seen tasks' test images after each task."""
+    """How long the run takes at `speed` images per second: its training, and at most as long
+    again per image for its passes without gradients (a forward pass costs less than a step):
+    each task's end, and the evaluation and analyses of the seen tasks' test images."""
     counts = torch.bincount(torch.tensor(splits.test.targets), minlength=splits.num_classes)
     test = int(counts.view(cfg.tasks, -1).sum(1).cumsum(0).sum())  # the seen tasks' after each
     trained, passes = cfg.epochs * len(splits.train), len(splits.train) + test
@@ -820,13 +823,13 @@ def end_task(learner, t, tasks, splits, cfg):
     """Task t's end: DML's prototypes of its classes, the memory's update, the LoRA merge. Returns
     the task's factors (A, B) of each layer from before the merge, for the analyses."""
     images = data.subset(splits.train_eval, tasks[t])  # the test transform
-    oe_memory = cfg.oe and cfg.memory == "oe"
-    weighed = oe_memory and cfg.oe_share < 1  # ours: the energies that M's rule weighs
-    measure = (lambda X, y: learner.oe.energies(X, learner.memory)) if weighed else None
+    merging = cfg.oe and cfg.memory == "tasks"  # V joins M at the task's end
+    weighed = merging and cfg.oe_share < 1  # ours: the energies that --oe-share weighs
+    measure = (lambda X, y: learner.subspace.energies(X, learner.memory)) if weighed else None
     z, y, energies = features(learner.model, images, cfg, measure, f"the end of task {t + 1}")
     learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
-    if oe_memory:  # V joins the memory: all of it, or (ours) until M holds the task's energy
-        learner.memory = learner.oe.merge(learner.memory, energies, cfg.oe_share)
+    if merging:  # V joins the memory: its k columns, or (ours) as many as --oe-share asks
+        learner.memory = learner.subspace.merge(learner.memory, energies, cfg.oe_share)
     elif cfg.oe and cfg.memory == "gpm":  # a pass over the task's images: what OE avoids
         C = kv_covariance(learner.model, images, cfg)
         first, last = cfg.gpm_threshold  # InfLoRA's schedule: t / T of the way, t from 0
@@ -849,11 +852,10 @@ def class_prototypes(z, y, classes):
 
 @torch.no_grad()
 def evaluate(learner, splits, tasks, factors, cfg):
-    """One pass over the seen tasks' test images. Row t of the accuracy matrices, per seen task:
-    task-agnostic (InfLoRA's: the argmax over all heads) and task-aware (ours: the true task's
-    head); the accuracy over those samples; and for the analyses, from task 2 on, the change that
-    the task's update (factors) made to the K/V outputs (output_change), and the current task's
-    z and y."""
+    """One pass over the seen tasks' test images: row t of the accuracy matrices, task-agnostic
+    (InfLoRA's: the argmax over all heads) and task-aware (ours: the true task's head); the
+    accuracy over the samples; and for the analyses, the change that the task's factors made to
+    the K/V outputs (from task 2 on), and the current task's z and y."""
     heads, t = learner.heads, len(learner.heads) - 1
     seen = torch.tensor([c for classes in tasks[:t + 1] for c in classes], device=cfg.device)
     change = partial(output_change, factors=factors, current=tasks[t], scale=cfg.lora_scale)
@@ -952,8 +954,8 @@ def record_analyses(record, learner, t, factors, memory, probed, tasks, cfg):
     lo, hi = min(record["memory"][-1]), max(record["memory"][-1])
     width = str(lo) if lo == hi else f"{lo}-{hi}"
     line = (f"seed {record['seed']} task {t + 1} analyses: M holds {width} of "
-            f"{learner.model.embed_dim} columns a block")
-    if full := record["memory"][-1].count(learner.model.embed_dim):  # the paper's k per task
+            f"{learner.model.embed_dim} columns per block")
+    if full := record["memory"][-1].count(learner.model.embed_dim):  # blocks with all D columns
         line += (f" ({full} of {len(record['memory'][-1])} blocks full: their K and V learn "
                  f"nothing from task {t + 2} on)")
     if t == 0:  # no past tasks, no old prototypes
@@ -1024,7 +1026,8 @@ def fmt(value, spec=".2f"):
 
 
 def duration(seconds):
-    """A time span in the largest unit of which two have passed: 45 s, 2.5 min, 6.1 days."""
+    """A time span in the largest unit of which at least two have passed: 45 s, 2.5 min,
+    6.1 days."""
     for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
         if seconds >= 2 * size:
             return f"{seconds / size:.1f} {unit}"
@@ -1037,7 +1040,7 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "frozen": ("--rank 0 --no-oe --no-gr --no-dml", "the frozen backbone, heads alone "
                       "(the control of SimpleCIL, Zhou et al. 2023; ours)"),
            "janus-update": ("--rectify update", "Janus-LoRA, GR on Adam's step (ours)"),
-           "janus-rolling": ("--memory oe-rolling", "Janus-LoRA, M = V"),
+           "janus-rolling": ("--memory rolling", "Janus-LoRA, M = V"),
            "finetune": ("--no-oe --no-gr --no-dml", "Fine-Tuning"),
            "lora-gpm": ("--memory gpm --no-gr --no-dml", "LoRA-GPM"),
            "lora-gpm-gr": ("--memory gpm --no-dml", "LoRA-GPM + GR"),
@@ -1054,10 +1057,6 @@ EXAMPLES = """examples:
 
 class RunError(Exception):
     """Flags that cannot run together, or a run folder or file that cannot be used."""
-
-
-class Busy(RunError):
-    """A run folder that another live process holds."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -1080,9 +1079,10 @@ def parser():
         kw = dict(f.metadata)
         if f.name in ("method", "reproduce"):
             kw["choices"] = METHODS if f.name == "method" else REPRODUCE
-        if f.type is bool and f.default:  # the ablation's switches: --NAME and --no-NAME
-            kw.update(action=argparse.BooleanOptionalAction, help=kw["help"] + " (default: on)")
-        elif f.type is not bool:
+        if f.type is bool:  # a switch: --NAME and --no-NAME
+            kw.update(action=argparse.BooleanOptionalAction,
+                      help=kw["help"] + f" (default: {'on' if f.default else 'off'})")
+        else:
             kw.setdefault("type", f.type)
             default = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
             kw["help"] += "" if f.default is None else f" (default: {default})"
@@ -1091,7 +1091,7 @@ def parser():
 
 
 def parse(argv):
-    """The values of the flags in argv, over the typed --method's; and the flags typed."""
+    """Every flag's value, the typed flags over their --method's preset; and the flags typed."""
     typed = vars(parser().parse_args(argv))
     preset = METHODS[typed["method"]][0].split() if "method" in typed else []
     return {**vars(parser().parse_args(preset)), **typed}, typed
@@ -1116,7 +1116,7 @@ def configure(argv=None):
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     check(cfg)
     if cfg.out is None:  # the same flags, the same folder: the same command continues its run
-        changed = {k: v for k, v in identity(asdict(cfg)).items() if v != getattr(Config, k)}
+        changed = {k: v for k, v in result_values(asdict(cfg)).items() if v != getattr(Config, k)}
         digest = hashlib.sha256(json.dumps(changed).encode()).hexdigest()[:6]  # a new flag: none
         name = cfg.reproduce or method_of(asdict(cfg))
         cfg.out = os.path.join("runs", f"{name}-{cfg.dataset}-T{cfg.tasks}-{digest}")
@@ -1149,7 +1149,7 @@ def check(cfg):
     data.task_classes(data.DATASETS[cfg.dataset]["num_classes"], cfg.tasks)  # T divides them
 
 
-def identity(config):
+def result_values(config):
     """A config's values that change results: not FREE's; a weights file by its name alone."""
     return {k: os.path.basename(v) if k == "weights" else v for k, v in config.items()
             if k not in FREE}
@@ -1183,14 +1183,11 @@ def seed_file(folder, seed):
 
 @contextlib.contextmanager
 def locked(path, wait=False):
-    """The file path held by flock, which the system releases however the process ends; Busy at
-    once where another process holds it, unless wait."""
+    """The file at path, held by flock, which the system releases however the process ends.
+    Where another process holds it: BlockingIOError at once, or with wait, a wait for it."""
     with open(path, "w") as lock:
-        try:
-            if fcntl:
-                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            raise Busy(path) from None
+        if fcntl:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         yield
 
 
@@ -1239,16 +1236,17 @@ def run(cfg):
     file holds, its state saved after each task; then the outputs, from every finished seed's
     state in the folder, whichever process ran it."""
     os.makedirs(cfg.out, exist_ok=True)
-    for state in states(cfg.out)[:1]:  # another configuration is refused
-        saved, ours = identity({**asdict(Config()), **state["config"]}), identity(asdict(cfg))
+    for state in states(cfg.out)[:1]:  # a folder that holds a run with other flags is refused
+        saved = result_values({**asdict(Config()), **state["config"]})
+        ours = result_values(asdict(cfg))
         if other := [f"{flag(k)} {saved[k]} (not {ours[k]})" for k in ours if saved[k] != ours[k]]:
             raise RunError(f"{cfg.out} holds a run of {', '.join(other)}: choose another --out")
-    load = cache(partial(load_data_and_backbone, cfg))  # once a seed needs them
+    load = cache(partial(load_data_and_backbone, cfg))  # loaded when a seed first needs them
     for seed in cfg.seeds:
         try:
             with locked(seed_file(cfg.out, seed) + ".lock"):
                 run_one(cfg, seed, load)
-        except Busy:  # one job of an array over the seeds: another runs this one
+        except BlockingIOError:  # one job of an array over the seeds: another runs this one
             print(f"seed {seed}: another process runs it: left to it", flush=True)
     with locked(os.path.join(cfg.out, "lock"), wait=True):  # the last writer sees every seed
         write_outputs(cfg)
@@ -1256,7 +1254,8 @@ def run(cfg):
 
 
 def run_one(cfg, seed, load):
-    """One seed, after the last task of its state file, which keeps its learner once it ends."""
+    """One seed, from the last task saved in its state file (a finished seed is skipped); the
+    state keeps the learner when the seed ends."""
     path = seed_file(cfg.out, seed)
     state = read_state(path, cfg.device)
     if state and len(state["record"]["acc_matrix"]) == cfg.tasks:
@@ -1285,24 +1284,30 @@ def load_data_and_backbone(cfg):
 
 
 def learner_state(learner):
-    """What a learner carries from a task to the next (its K/V layers hold W0, A and B)."""
-    return {"kv": nn.ModuleList(lora_layers(learner.model)).state_dict(),
-            "heads": [head.state_dict() for head in learner.heads],
-            "V": learner.oe and learner.oe.V, "oe_steps": learner.oe and learner.oe.t,
-            "memory": learner.memory,
-            "prototypes": learner.prototypes}
+    """Each field of a learner as its state keeps it, for restore: the model by its K/V layers
+    (W0 with each task's update, A and B: the rest is the checkpoint's), the heads by their
+    tensors, OE by its attributes, and any other field as it is, so that a field added to Learner
+    is kept with no edit here."""
+    state = {f.name: getattr(learner, f.name) for f in fields(learner)}
+    state["model"] = nn.ModuleList(lora_layers(learner.model)).state_dict()
+    state["heads"] = [head.state_dict() for head in learner.heads]
+    if learner.subspace is not None:
+        state["subspace"] = vars(learner.subspace)
+    return state
 
 
 def restore(learner, state):
-    """A seed's learner as after the last task of its state; returns its record."""
-    saved = state["learner"]
-    nn.ModuleList(lora_layers(learner.model)).load_state_dict(saved["kv"])
-    for head in saved["heads"]:
+    """A seed's learner as after the last task of its state, each field as learner_state keeps
+    it; returns the seed's record."""
+    saved = dict(state["learner"])
+    nn.ModuleList(lora_layers(learner.model)).load_state_dict(saved.pop("model"))
+    for head in saved.pop("heads"):
         learner.heads.append(nn.Linear(*head["weight"].shape[::-1]).to(head["weight"].device))
         learner.heads[-1].load_state_dict(head)
-    if learner.oe is not None:
-        learner.oe.V, learner.oe.t = saved["V"], saved["oe_steps"]
-    learner.memory, learner.prototypes = saved["memory"], saved["prototypes"]
+    if learner.subspace is not None:
+        vars(learner.subspace).update(saved.pop("subspace"))
+    for name, value in saved.items():  # the fields kept as they are
+        setattr(learner, name, value)
     torch.set_rng_state(state["rng"].cpu())  # last: the heads above drew from it
     return state["record"]
 
@@ -1460,14 +1465,14 @@ def plot_efficiency(fig, rows):
         for ax, y in zip(axes, (seconds, seconds.cumsum(0), speeds)):
             ax.plot(range(1, len(y) + 1), y, f"{'osD^v<>ph*'[i % 10]}-C{i % 10}", mfc="none",
                     label=name)
-    for ax, title, x, y in zip(axes, ("per-task training time", "cumulative training time",
-                                      "throughput"), ("task", "task", "epoch of the run"),
-                               ("s", "s", "images / s")):
+    labels = [("training time per task", "task", "s"), ("cumulative training time", "task", "s"),
+              ("throughput", "epoch of the run", "images / s")]
+    for ax, (title, x, y) in zip(axes, labels):
         ax.set(title=title, xlabel=x, ylabel=y)
 
 
 def nan(value):
-    """A value for matplotlib, which leaves NaN out: None, undefined, as NaN."""
+    """A value for matplotlib: None (undefined) as NaN, which matplotlib leaves out."""
     return math.nan if value is None else value
 
 
@@ -1478,7 +1483,8 @@ RUN_FIGURES = {**FIG5, "analyses.png": ("Figs. 2 and 3: the null-space violation
 
 
 # ---- --reproduce: every row of a table or figure of the paper, in one command --------------------
-# NAME: (what it reproduces, {row: its flags}, its figures); the sweeps' values: the paper's text's
+# NAME: (what it reproduces, {row: its flags}, its figures); the sweeps take the values that the
+# paper's text gives
 REPRODUCE = {
     "demo": ("the quick start (ours): Janus-LoRA beside the frozen backbone and Fine-Tuning, "
              "and with GR on Adam's step",
@@ -1566,7 +1572,7 @@ def benchmark(cfg):
             step()
             sync(cfg.device)  # a step's time ends when its kernels do
             ms[name].append(1e3 * (time.perf_counter() - start))
-    print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns a block, "
+    print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns per block, "
           f"{precision(cfg)}, compiled {compiled(cfg)}, {cfg.steps} rounds:\n"
           "variant        ms/step  images/s  x plain (median)")
     for name, t in ms.items():
@@ -1577,14 +1583,14 @@ def benchmark(cfg):
 
 
 def mid_run_learner(cfg, backbone, m, classes):
-    """A learner halfway through a run: a random memory of m columns a block, and V and A off
+    """A learner halfway through a run: a random memory of m columns per block, and V and A off
     it, old prototypes, and the current task's head."""
     learner = start_learner(cfg, 0, backbone)
     L, D = len(backbone.blocks), backbone.embed_dim
     if cfg.oe:
         learner.memory = list(torch.linalg.qr(torch.randn(L, D, m)).Q.to(cfg.device))
-        if learner.oe is not None:  # GPM's memory comes with no OE basis
-            learner.oe.V = fresh_basis(learner.memory, cfg.k)
+        if learner.subspace is not None:  # GPM's memory comes with no OE basis
+            learner.subspace.V = fresh_basis(learner.memory, cfg.k)
         for j, layer in enumerate(lora_layers(learner.model)):
             layer.reset_(learner.memory[j // 2])
     prototypes = F.normalize(torch.randn(classes * (cfg.tasks // 2), D), dim=1)
@@ -1600,25 +1606,22 @@ def sigterm(signum, frame):
 
 class Unbroken:
     """Standard output that a reader who has gone (| head) cannot break: what comes after goes to
-    os.devnull, and the run goes on."""
+    os.devnull, and the run goes on. Its other attributes are the stream's own."""
 
     def __init__(self, stream):
         self.stream = stream
 
-    def __getattr__(self, name):  # encoding, isatty and the rest: the stream's own
-        return getattr(self.stream, name)
+    def __getattr__(self, name):
+        method = getattr(self.stream, name)
+        if name not in ("write", "flush"):
+            return method
 
-    def write(self, text):
-        return self._call("write", text)
-
-    def flush(self):
-        return self._call("flush")
-
-    def _call(self, method, *args):
-        try:
-            return getattr(self.stream, method)(*args)
-        except BrokenPipeError:  # the Python docs' recipe: the file descriptor onto os.devnull
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        def unbroken(*args):
+            try:
+                return method(*args)
+            except BrokenPipeError:  # the Python docs' recipe: the file descriptor onto os.devnull
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        return unbroken
 
 
 def command(argv):
@@ -1636,10 +1639,9 @@ CHOOSE = "choose another --out, or make this one writable"
 
 
 def main(argv=None):
-    """python janus_min.py [flags] (--help): the project's own errors, and a file or folder that
-    cannot be written, in one line that says what to do (exit 2); Ctrl-C and SIGTERM in one line
-    with the command that continues (exit 130, 143); any other error is a bug, and keeps its
-    traceback."""
+    """python janus_min.py [flags] (--help). Bad input, and a file that cannot be written: one line
+    that says what to do (exit 2). Ctrl-C and SIGTERM: the command that continues (exit 130, 143).
+    Any other error is a bug, and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     handler = signal.signal(signal.SIGTERM, sigterm)
     stdout, sys.stdout = sys.stdout, Unbroken(sys.stdout)

@@ -504,7 +504,7 @@ def test_fashion_mnist_files_and_the_batched_pipeline(tmp_path):
     assert float((x - ref).abs().max()) < 2e-5
     assert f.train.batched == data.Batched(32, False, True, *MEAN_STD)  # to train: + flips, no crop
     assert data.thin(f, 2, 0).train_eval.batched == f.train_eval.batched  # the test transform's
-    s = _load("synthetic", None, 16)  # its test set: 8 images a class, in class order
+    s = _load("synthetic", None, 16)  # its test set: 8 images per class, in class order
     by_workers = data._Images(s.test.source, s.test.targets, s.test.transform)  # no batched spec
     parts = [data.subset(ds, [2, 3, 4]) for ds in (s.test, by_workers)]
     assert parts[0].targets == sorted([2, 3, 4] * 8)
@@ -1298,7 +1298,7 @@ def test_gpm_adds_the_fewest_directions_and_inflora_a_is_off_the_memory():
 
 
 STEP_VARIANTS = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": {},
-                 "janus-update": dict(rectify="update"), "oe-rolling": dict(memory="oe-rolling"),
+                 "janus-update": dict(rectify="update"), "rolling": dict(memory="rolling"),
                  "gpm": dict(memory="gpm"), "fp32": dict(precision="fp32")}
 
 
@@ -1333,14 +1333,14 @@ def test_train_step_never_syncs_with_the_host_on_cuda(variant, compile):
 
 @pytest.mark.parametrize("variant", list(STEP_VARIANTS))
 def test_every_variants_mid_run_learner_and_step_on_a_cpu(variant):
-    """The CUDA test's learners and steps on a CPU: a memory of m columns a block where OE is on
+    """The CUDA test's learners and steps on a CPU: a memory of m columns per block where OE is on
     (GPM's too), V off it where OE runs, each layer's M what it protects; the steps are finite,
     train the current head and keep the memory and the old prototypes."""
     learner, step = _step_of(STEP_VARIANTS[variant], "cpu")
     cfg = dataclasses.replace(jm.Config(), **STEP_VARIANTS[variant])
     assert [M.shape for M in learner.memory] == [(192, 16 if cfg.oe else 0)] * 12
-    if learner.oe is not None:
-        leaks = [float((M.T @ V).abs().max()) for M, V in zip(learner.memory, learner.oe.V)]
+    if learner.subspace is not None:
+        leaks = [float((M.T @ V).abs().max()) for M, V in zip(learner.memory, learner.subspace.V)]
         assert max(leaks) < 1e-5
 
     def follows():  # each layer's M: what protected() says now (under M = V: V as it moves)
@@ -1455,7 +1455,9 @@ def _fit(layer, X, Y, steps, sub=None, gr=None, lr=1e-2, delta=jm.Config.delta, 
 
 
 def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
-    """Two overlapping tasks: all variants learn; --rectify update protects, factors of one size."""
+    """Two overlapping tasks: all variants learn; --rectify update protects, factors of one size.
+    JANUS_DELTA=D: GR's delta (printed: pytest -s)."""
+    delta = float(os.environ.get("JANUS_DELTA", jm.Config.delta))
     torch.manual_seed(0)
     d_in, d_out, r, k = 32, 16, 4, 6
     U = orthonormal(d_in, d_in, dtype=torch.float32)
@@ -1479,7 +1481,7 @@ def test_two_task_violation_and_forgetting_of_the_four_variants(monkeypatch):
         lay = copy.deepcopy(layer)
         torch.manual_seed(1)
         lay.reset_(M if oe else None)
-        _fit(lay, X2, Y2, 300, gr=gr, memory=M if oe else None)
+        _fit(lay, X2, Y2, 300, gr=gr, memory=M if oe else None, delta=delta)
         with torch.no_grad():
             dW = lay.scale * lay.B @ lay.A
             results[name] = (float((dW @ M).norm() / dW.norm()),
@@ -1671,7 +1673,7 @@ def rare_run():
                 z, y, learner.prototypes, cfg.margin, cfg.tau)
         before = [(layer.A.detach().double(), layer.B.detach().double(), layer.M.double())
                   for layer in layers]
-        V, t = learner.oe.V.double(), learner.oe.t
+        V, t = learner.subspace.V.double(), learner.subspace.t
         if t == 0:  # a task's first step: its fresh factors and basis, against the memory now
             memory = [M.double() for M in learner.memory]
             seen["fresh"].append(dict(
@@ -1692,7 +1694,7 @@ def rare_run():
             safe += [rel(gA, s * B.T @ G_safe), rel(gB, s * G_safe @ A.T)]
             dA, dB = _gr_direct(gA / s, gB / s, A, B, s, cfg.delta)
             gr += [rel(layer.A.grad.double(), dA), rel(layer.B.grad.double(), dB)]
-        oe = [rel(learner.oe.V[i].double(), _oe_oracle(
+        oe = [rel(learner.subspace.V[i].double(), _oe_oracle(
             V[i], inputs[2 * i].flatten(0, 1).double(), learner.memory[i].double(), t,
             torch.float64, cfg.oe_lr, cfg.oe_decay_steps)) for i in range(len(V))]
         seen["steps"].append(dict(task=len(learner.heads) - 1, y=y.tolist(), loss=float(loss),
@@ -1800,7 +1802,7 @@ def test_each_task_starts_from_fresh_factors_and_a_basis_off_the_memory_it_start
     (not as it stood before it), B is 0, and OE's V is orthonormal and off that memory: the draws
     that the initial values' test checks alone, here where a run makes them."""
     fresh = rare_run["fresh"]
-    assert len(fresh) == 2  # one a task
+    assert len(fresh) == 2  # one per task
     assert all(f["A_on_M"] < 1e-6 and f["B"] == 0 for f in fresh), fresh
     assert all(f["V_orthonormal"] < 1e-5 and f["V_on_M"] < 1e-6 for f in fresh), fresh
 
@@ -1949,7 +1951,8 @@ def tiny_run(tmp_path_factory):  # one TINY run, recording each step's lr, memor
         seen["protected"].append(all(layer.M is learner.memory[j // 2]
                                      for j, layer in enumerate(layers)))
         out = real_step(learner, opt, *args)
-        seen["leak"] += [float((M.T @ V).norm()) for M, V in zip(learner.memory, learner.oe.V)]
+        seen["leak"] += [float((M.T @ V).norm())
+                         for M, V in zip(learner.memory, learner.subspace.V)]
         return out
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
         mp.setattr(jm, "train_step", train_step)
@@ -2097,10 +2100,11 @@ def test_ctrl_c_then_the_same_command_continues_to_the_same_numbers_and_then_tra
     assert _same_records(_results(folder)["runs"][0], short_run["res"]["runs"][0])
     # the folder: from the values that differ from their defaults (a flag added later has none)
     assert jm.configure(SHORT + ["--tau", "0.07", "--workers", "1"]).out == str(folder)
-    real = jm.identity
-    monkeypatch.setattr(jm, "identity", lambda c: {k: v for k, v in real(c).items() if k != "tau"})
+    real = jm.result_values
+    monkeypatch.setattr(jm, "result_values", lambda c: {k: v for k, v in real(c).items()
+                                                         if k != "tau"})
     assert jm.configure(SHORT).out == str(folder)  # as if --tau did not exist yet
-    monkeypatch.setattr(jm, "identity", real)
+    monkeypatch.setattr(jm, "result_values", real)
     assert jm.configure(SHORT + ["--tau", "0.08"]).out != str(folder)
     before = (folder / "results.json").read_text()
     (folder / "results.json").unlink()
@@ -2378,9 +2382,11 @@ def test_help_lists_every_flag_and_repeated_seeds_add_up(capsys):
         jm.main(["--help"])
     out = capsys.readouterr().out
     for f in dataclasses.fields(jm.Config):
-        assert (f"--{f.name.replace('_', '-')}" if f.type is not bool or not f.default else
-                f"--no-{f.name}") in out
-    assert re.search(r"--oe, --no-oe\s+Online Estimation", out)  # a switch turned on or off
+        name = jm.flag(f.name)
+        assert (f"{name}, --no-{name[2:]}" if f.type is bool else name) in out, name
+    flat = " ".join(out.split())  # argparse wraps the help's lines
+    assert re.search(r"--oe, --no-oe Online Estimation [^-]*\(default: on\)", flat)
+    assert re.search(r"--dry-run, --no-dry-run with --reproduce: [^-]*\(default: off\)", flat)
     assert jm.configure(["--seeds", "0", "--seeds", "1"]).seeds == [0, 1]
 
 
@@ -2417,9 +2423,9 @@ def test_each_metric_is_its_definition_and_the_summary_and_table_report_it(tmp_p
         path = jm.write_table(str(tmp_path), {"a": {"flags": "--k 8", "runs": runs}}, "t")
     lines = Path(path).read_text().splitlines()
     row = lines[lines.index("| row | flags | seeds | " + " | ".join(jm.METRICS) + " |") + 2]
-    assert row.split(" | ")[3:] == [f"{summary[k]['mean']:{spec}} ± {summary[k]['std']:{spec}}"
-                                    for k, (_, spec, _) in jm.METRICS.items()][:-1] + [
-        f"{summary['s / task']['mean']:.1f} ± {summary['s / task']['std']:.1f} |"]
+    assert row.strip("| ").split(" | ") == ["a", "`--k 8`", "0 1"] + [
+        f"{summary[k]['mean']:{spec}} ± {summary[k]['std']:{spec}}"
+        for k, (_, spec, _) in jm.METRICS.items()]
     assert all(f"- {k}: {meaning}." in lines for k, (_, _, meaning) in jm.METRICS.items())
 
 
@@ -2440,17 +2446,10 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
         cfg = dataclasses.asdict(jm.configure(base + argv))
         assert {k for k in cfg if cfg[k] != janus[k]} <= {*keys, "method", "out"}
         return {k: cfg[k] for k in keys}
-    for name in jm.METHODS:
+    for name, (flags, _) in jm.METHODS.items():  # each sets its own flags, and no other
+        assert switches(["--method", name]) == {**switches([]), **jm.parse(flags.split())[1]}
         assert jm.method_of({**janus, **switches(["--method", name])}) == name
         assert switches(["--method", name, "--no-dml"])["dml"] is False
-    off = dict(gr=False, dml=False)
-    described = {"finetune": dict(off, oe=False), "lora-gpm": dict(off, memory="gpm"),
-                 "frozen": dict(off, oe=False, rank=0),  # the control: heads alone
-                 "lora-gpm-gr": dict(memory="gpm", dml=False), "inflora": dict(
-                     off, memory="gpm", lora_a="inflora"), "janus": {},
-                 "janus-update": dict(rectify="update"),  # ours
-                 "janus-rolling": dict(memory="oe-rolling")}  # the paper's words: M = V
-    assert all(switches(["--method", m]) == {**switches([]), **d} for m, d in described.items())
     rows = {name: {row: jm.configure(base + flags.split()) for row, flags in r.items()}
             for name, (_, r, _) in jm.REPRODUCE.items()}
     assert [(c.oe, c.gr, c.dml) for c in rows["ablation"].values()] == TABLE_1
@@ -2458,9 +2457,9 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
     assert [c.margin for c in rows["margin"].values()] == [0.1, 0.2, 0.3, 0.4, 0.5]
     assert [c.lambda_dml for c in rows["lambda"].values()] == [0.5, 1.0, 1.5, 2.0]
     assert [c.weights for c in rows["backbones"].values()] == ["in21k", "sam", "dino"]
-    assert [(c.memory, c.epochs) for c in rows["oe-vs-gpm"].values()] == [("gpm", 1), ("oe", 1)]
+    assert [(c.memory, c.epochs) for c in rows["oe-vs-gpm"].values()] == [("gpm", 1), ("tasks", 1)]
     assert [jm.method_of(dataclasses.asdict(c)) for c in rows["methods"].values()] == [
-        "frozen", "finetune", "lora-gpm", "inflora", "janus"]  # Tables 2 and 3, and the control
+        flags.split()[1] for flags in jm.REPRODUCE["methods"][1].values()]  # each a --method
     assert [jm.method_of(dataclasses.asdict(c)) for c in rows["gr-plugin"].values()] == [
         "lora-gpm", "lora-gpm-gr"]  # Fig. 6: before GR, then after
     for name, (_, r, _) in jm.REPRODUCE.items():  # --dry-run: each row's own command
@@ -2496,7 +2495,7 @@ def _rows(names, seeds=(0, 1), T=3, g=None):  # rows of 2 seeds, 3 tasks, 2 bloc
 
 
 def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
-    """Fig. 5 (a line a row: the mean over its seeds of the mean accuracy on the tasks seen, in a
+    """Fig. 5 (a line per row: the mean over its seeds of the mean accuracy on the tasks seen, in a
     band of ± their sample std) with Fig. 2's output change beside it, Fig. 2 per block and Fig. 3
     of a run, Fig. 6 (bars before and after GR), Fig. 4a (ACC, MAA, BWT over k, ± the sample
     std) and the appendix's efficiency figures (the time per task, its sum, each epoch's
@@ -2558,17 +2557,26 @@ def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
 
 
 # ---- --benchmark: each variant's step, and its numbers ---------------------------------------
-JANUS = dict(oe=True, gr=True, dml=True, rectify="grad", memory="oe", lora_a="trained")
+JANUS = dict(oe=True, gr=True, dml=True, rectify="grad", memory="tasks", lora_a="trained")
 BENCHMARK_SWITCHES = {"plain": dict(oe=False, gr=False, dml=False), "janus-grad": {},
                       "janus-update": dict(rectify="update")}  # beside Janus-LoRA's (JANUS)
 
 
-def _tensors(learner):  # every tensor a learner holds, by name
-    named = {**learner.model.state_dict(), "prototypes": learner.prototypes,
-             **{f"heads.{k}": v for k, v in learner.heads.state_dict().items()},
-             **{f"memory.{i}": M for i, M in enumerate(learner.memory)}}
-    if learner.oe is not None:
-        named["V"] = learner.oe.V
+def _tensors(learner):  # every tensor a learner holds, by name: the model's, then each field's
+    named = dict(learner.model.state_dict())  # as its state keeps it (the heads, OE, any other)
+
+    def add(name, value):
+        if torch.is_tensor(value):
+            named[name] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                add(f"{name}.{key}", item)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                add(f"{name}.{i}", item)
+    for name, value in jm.learner_state(learner).items():
+        if name != "model":
+            add(name, value)
     return {k: v.clone() for k, v in named.items()}
 
 
@@ -2642,7 +2650,7 @@ FLAGS = ["--dataset", "synthetic", "--model", "vit_tiny", "--tasks", "2", "--epo
          "--input-range", "half", "--rank", "3", "--lora-scale", "0.5", "--lr", "2e-3",
          "--schedule", "cosine", "--k", "5", "--oe-lr", "0.7", "--oe-decay-steps", "3",
          "--delta", "2e-3", "--margin", "0.25", "--lambda-dml", "1.5", "--tau", "0.09",
-         "--rectify", "update", "--memory", "oe-rolling", "--seeds", "3", "--device", "cpu",
+         "--rectify", "update", "--memory", "rolling", "--seeds", "3", "--device", "cpu",
          "--weights", "none", "--workers", "0"]  # other values than the defaults
 PHASES = ("start_task", "train_task", "end_task", "evaluate", "record_analyses")
 
@@ -2734,9 +2742,10 @@ def _phase_changes(cfg, t, phase):
     memory = {f"memory.{i}" for i in range(2)}
     must = {"start_task": head | (A if cfg.lora_a == "inflora" else set()),
             "train_task": head | B | (A if cfg.lora_a == "trained" else set())
-            | ({"V"} if oe_runs else set()),
+            | ({"subspace.V"} if oe_runs else set()),
             "end_task": W | A | B | {"prototypes"}
-            | (memory | {"V"} if cfg.oe and cfg.memory == "oe" else set())}.get(phase, set())
+            | (memory | {"subspace.V"} if cfg.oe and cfg.memory == "tasks" else set())}.get(
+                phase, set())
     return must, memory if phase == "end_task" and cfg.oe and cfg.memory == "gpm" else set()
 
 
@@ -2746,7 +2755,7 @@ def _passes(cfg, t):
     training images), InfLoRA's A (the same), and the evaluation, whose pass serves the analyses
     too (the seen test images)."""
     per_task = 12 // cfg.tasks
-    train, test = cfg.limit_per_class * per_task, 8 * per_task * (t + 1)  # synthetic: 8 a class
+    train, test = cfg.limit_per_class * per_task, 8 * per_task * (t + 1)  # synthetic: 8 per class
     counts = {"start_task": ("test", train if cfg.lora_a == "inflora" else 0),
               "train_task": ("train", cfg.epochs * train),
               "end_task": ("test", train * (2 if cfg.oe and cfg.memory == "gpm" else 1)),
@@ -2872,10 +2881,10 @@ def test_a_memory_that_fills_leaves_k_and_v_alone_in_the_later_tasks(tmp_path):
     number is finite."""
     r = _watch(SMALL + ["--k", "96", "--epochs", "1", "--out", str(tmp_path)])
     assert r["code"] == 0
-    assert ("seed 0 task 2 analyses: M holds 192 of 192 columns a block (2 of 2 blocks full: their "
-            "K and V learn nothing from task 3 on)") in r["log"]
+    assert ("seed 0 task 2 analyses: M holds 192 of 192 columns per block (2 of 2 blocks full: "
+            "their K and V learn nothing from task 3 on)") in r["log"]
     learner, run = r["learners"][0], r["res"]["runs"][0]
-    assert [M.shape[1] for M in learner.memory] == [192] * 2 and learner.oe.V.shape[-1] == 0
+    assert [M.shape[1] for M in learner.memory] == [192] * 2 and learner.subspace.V.shape[-1] == 0
     head = {"heads.2.weight", "heads.2.bias"}
     expected = {"start_task": head, "train_task": head, "end_task": {"prototypes"}}
     for t, phase, changed in r["changed"][-5:]:  # task 3's; the memory's QR may flip signs
@@ -2885,14 +2894,14 @@ def test_a_memory_that_fills_leaves_k_and_v_alone_in_the_later_tasks(tmp_path):
     assert all(math.isfinite(a) for row in run["acc_matrix"] for a in row)
 
 
-@pytest.mark.parametrize("run", ["janus", "flags"])  # --memory oe, --memory oe-rolling
+@pytest.mark.parametrize("run", ["janus", "flags"])  # --memory tasks, --memory rolling
 def test_oe_steps_start_afresh_with_each_tasks_v_and_go_on_with_the_rolling_one(watched, run):
-    """Under --memory oe each task's fresh V starts with OE's large steps; under oe-rolling, one V
+    """Under --memory tasks each task's fresh V starts with OE's large steps; under rolling, one V
     estimates all the tasks' inputs, its step decaying over the run's steps."""
     r = watched[run]
     tasks = [t for t, _ in r["lr"]]  # each training step's task
     steps = len(tasks) if run == "flags" else tasks.count(tasks[-1])
-    assert r["learners"][0].oe.t == steps
+    assert r["learners"][0].subspace.t == steps
 
 
 def test_more_tasks_than_d_over_k_and_the_last_task_still_learns_off_m(tmp_path):
