@@ -1585,8 +1585,8 @@ def _per_epoch(argv, per_class):
 def test_gr_under_adam_in_real_runs_keeps_b_and_the_heads_logits_small(tmp_path):
     """The toy's mechanism in real runs: with GR on Adam's gradients A moves as far as with GR on
     Adam's step, but ||B|| ends each task at under half of that size, B's steps lie less inside
-    span(B), and the heads' logits stay smaller. JANUS_DEMO=1: the demo's four rows, at its
-    size, per epoch (printed: pytest -s)."""
+    span(B), and the heads' logits stay smaller. JANUS_DEMO=1: the demo's three rows and
+    janus-update, at its size, per epoch (printed: pytest -s)."""
     demo, per_class = bool(os.environ.get("JANUS_DEMO")), 24
     argv = ["--dataset", "synthetic", "--model", "vit_tiny", "--weights", "none", "--workers", "0",
             "--device", "cpu"]
@@ -1906,8 +1906,8 @@ def _without(argv, flag, values=1):
 
 
 # two tasks, an epoch each of a step of 16 images: for what needs a run, not its numbers
-SHORT = _without(_without(TINY, "--tasks"), "--epochs") + [
-    "--tasks", "2", "--epochs", "1", "--limit-per-class", "8"]
+SHORT = _without(_without(_without(TINY, "--tasks"), "--epochs"), "--img-size") + [
+    "--tasks", "2", "--epochs", "1", "--limit-per-class", "8", "--img-size", "16"]  # 5 tokens
 
 
 def _results(folder):
@@ -2112,10 +2112,11 @@ def test_ctrl_c_then_the_same_command_continues_to_the_same_numbers_and_then_tra
     assert jm.main(SHORT) == 0 and (folder / "results.json").read_text() == before
 
 
-def test_sigkill_and_sigterm_then_the_same_command_give_the_same_numbers(short_run, tmp_path):
+def test_sigkill_and_sigterm_then_the_same_command_give_the_same_numbers(
+        short_run, tmp_path, monkeypatch, capsys):
     """A real run killed (SIGKILL) once task 1 is saved; the same command stopped by a scheduler's
-    SIGTERM (exit 143, the command as it was started); then the same command: the numbers of the
-    run never stopped."""
+    SIGTERM as task 2 starts (exit 143, the command as it was started); then the same command:
+    the numbers of the run never stopped."""
     folder = tmp_path / "run"
     argv = [sys.executable, jm.__file__, *SHORT, "--out", str(folder)]
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
@@ -2123,12 +2124,15 @@ def test_sigkill_and_sigterm_then_the_same_command_give_the_same_numbers(short_r
         time.sleep(0.02)
     p.kill()
     assert p.wait() == -signal.SIGKILL and _tasks_done(folder) == 1
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline()  # its first line: it has started
-    p.send_signal(signal.SIGTERM)
-    err = p.communicate()[1]
-    assert p.returncode == 143 and err.splitlines()[-1] == (
-        f"interrupted (SIGTERM): the same command continues: {shlex.join(argv)}"), err
+    monkeypatch.setattr(sys, "orig_argv", argv)  # as if this process were the command
+    monkeypatch.setattr(sys, "argv", argv[1:])
+    real = jm.start_task
+    monkeypatch.setattr(jm, "start_task", lambda *args: os.kill(os.getpid(), signal.SIGTERM)
+                        or real(*args))
+    assert jm.main(argv[2:]) == 143 and _tasks_done(folder) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"interrupted (SIGTERM): the same command continues: {shlex.join(argv)}")
+    monkeypatch.setattr(jm, "start_task", real)
     assert jm.main(argv[2:]) == 0
     assert _same_records(_results(folder)["runs"][0], short_run["res"]["runs"][0])
 
@@ -2234,11 +2238,11 @@ def test_a_sets_table_has_the_rows_that_other_jobs_ran_and_says_where_their_seed
     argv = SHORT + ["--reproduce", "gr-plugin", "--out", str(tmp_path)]
     assert jm.main(argv + ["--row", "lora-gpm"]) == 0
     assert "(not finished, left out: lora-gpm-gr)" in (tmp_path / "table.md").read_text()
-    assert jm.main(argv + ["--row", "lora-gpm-gr", "--seeds", "0", "1"]) == 0
-    assert f"{shlex.join(argv + ['--seeds', '0', '1', '--row', 'lora-gpm-gr'])}\n" in (
+    assert jm.main(argv + ["--row", "lora-gpm-gr", "--seeds", "1"]) == 0
+    assert f"{shlex.join(argv + ['--seeds', '1', '--row', 'lora-gpm-gr'])}\n" in (
         capsys.readouterr().out)
     table = (tmp_path / "table.md").read_text()
-    assert _seeds_of_rows(tmp_path) == [("lora-gpm", "0"), ("lora-gpm-gr", "0 1")]
+    assert _seeds_of_rows(tmp_path) == [("lora-gpm", "0"), ("lora-gpm-gr", "1")]
     assert "left out" not in table and table.startswith("# --reproduce gr-plugin") and (
         "(the rows' seeds differ)" in table.splitlines()[0])
 
@@ -2260,13 +2264,12 @@ class Failing:  # a file whose writes stop half-way, as on a full disk
 
 def test_a_write_that_fails_half_way_leaves_every_file_whole_and_no_temporary_one(
         short_run, tmp_path, monkeypatch, capsys, no_plots):
-    """The k-th write of a run (the states after tasks 1 and 2, results.json, table.md) stops
-    half-way: the run stops in one line that names the file, the reason and what to do; every
-    file there is whole (a state of the tasks before, or none) and none is temporary; the same
-    command then ends with the numbers of a run never stopped."""
-    names = ["seed0.pt", "seed0.pt", "results.json", "table.md"]  # the run's writes, in turn
-    kept = [[], ["seed0.pt"], ["seed0.pt"], ["results.json", "seed0.pt"]]  # whole, before each
-    for k, (name, whole) in enumerate(zip(names, kept), 1):
+    """The k-th write of a run stops half-way: the state after task 2 (k = 2) or table.md, after
+    results.json (k = 4). The run stops in one line that names the file, the reason and what to
+    do; the file written before is whole and none is temporary; the same command then ends with
+    the numbers of a run never stopped."""
+    for k, name, whole in ((2, "seed0.pt", ["seed0.pt"]),
+                           (4, "table.md", ["results.json", "seed0.pt"])):
         folder, opened = tmp_path / str(k), []
 
         def failing(path, mode="r", *args, **kwargs):
