@@ -711,9 +711,8 @@ def start_task(learner, t, tasks, splits, cfg):
     for layer in lora_layers(model):
         layer.A.requires_grad_(cfg.lora_a == "trained" and cfg.rank > 0)  # InfLoRA: B alone
         layer.B.requires_grad_(cfg.rank > 0)  # rank 0: no adapter, the backbone frozen
-    if learner.subspace is not None and cfg.memory == "tasks":
-        learner.subspace.t = 0  # each task's fresh V starts with large steps; --memory rolling's V
-        # goes on with the steps of the whole run: it estimates all the tasks' inputs
+    if learner.subspace is not None and cfg.memory == "tasks":  # --memory rolling's V goes on:
+        learner.subspace.t = 0  # each task's fresh V starts with large steps
     if cfg.lora_a == "inflora":
         C = kv_covariance(model, data.subset(splits.train_eval, tasks[t]), cfg)  # (L, D, D)
         A = [inflora_a(C_i, M_i, cfg.rank) for C_i, M_i in zip(C, M)]  # K and V share an A
@@ -1155,6 +1154,7 @@ def result_values(config):
             if k not in FREE}
 
 
+@cache  # METHODS and Config do not change while the program runs
 def presets():
     """Each --method's value of every flag that a --method sets: what tells the methods apart."""
     typed = {name: parse(flags.split())[1] for name, (flags, _) in METHODS.items()}
