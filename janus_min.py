@@ -1100,7 +1100,7 @@ def configure(argv=None):
     """argv's Config, filled in; with --resume DIR, the run's own flags under those typed."""
     values, typed = parse(argv)
     if "resume" in typed:
-        if not (found := states(typed["resume"])):
+        if not (found := list(states(typed["resume"]))):
             raise RunError(f"--resume {typed['resume']}: no seed's state (seed<N>.pt) in that "
                            "folder")
         seeds = sorted({seed for state in found for seed in state["config"]["seeds"]})
@@ -1206,10 +1206,10 @@ def read_state(path, device="cpu"):
 
 
 def states(folder):
-    """The state of each seed in a run folder, by seed, on the CPU."""
+    """The state of each seed in a run folder, by seed, on the CPU, each read when it is reached."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
     seeds = sorted(int(m[1]) for name in names if (m := re.fullmatch(r"seed(\d+)\.pt", name)))
-    return [read_state(seed_file(folder, seed)) for seed in seeds]
+    return (read_state(seed_file(folder, seed)) for seed in seeds)
 
 
 def written(path, content):
@@ -1236,7 +1236,7 @@ def run(cfg):
     file holds, its state saved after each task; then the outputs, from every finished seed's
     state in the folder, whichever process ran it."""
     os.makedirs(cfg.out, exist_ok=True)
-    for state in states(cfg.out)[:1]:  # a folder that holds a run with other flags is refused
+    if state := next(states(cfg.out), None):  # a folder that holds a run of other flags: refused
         saved = result_values({**asdict(Config()), **state["config"]})
         ours = result_values(asdict(cfg))
         if other := [f"{flag(k)} {saved[k]} (not {ours[k]})" for k in ours if saved[k] != ours[k]]:
@@ -1527,11 +1527,8 @@ def reproduce(cfg, argv):
         if not cfg.dry_run:
             run(replace(configure(argv + rows[row].split()), reproduce=None,
                         out=os.path.join(cfg.out, row)))
-    done = {}
-    for row in [] if cfg.dry_run else rows:
-        config, runs = finished(os.path.join(cfg.out, row))
-        if runs:
-            done[row] = {"flags": rows[row], "config": config, "runs": runs}
+    ends = {} if cfg.dry_run else {row: finished(os.path.join(cfg.out, row)) for row in rows}
+    done = {row: {"flags": rows[row], "config": c, "runs": r} for row, (c, r) in ends.items() if r}
     if done:
         differ = len({tuple(r["seed"] for r in row["runs"]) for row in done.values()}) > 1
         title = (f"--reproduce {cfg.reproduce}: {what}; {cfg.dataset}, T={cfg.tasks}"

@@ -2723,7 +2723,7 @@ def _watch(argv, stop_at=None):
     out = Path(argv[argv.index("--out") + 1])
     return dict(seen, argv=argv, code=code, log=log.getvalue(), out=out,
                 res=_results(out) if code == 0 else None,
-                cfg=jm.Config(**jm.states(out)[0]["config"]))
+                cfg=jm.Config(**next(jm.states(out))["config"]))
 
 
 @pytest.fixture(scope="module")
