@@ -28,13 +28,14 @@ class DataError(Exception):
         return super().__str__().rpartition(f"{__name__}.DataError: ")[2].rstrip("\n")
 
 
-# Tasks, epochs, batch size, resolution: the paper's and InfLoRA's configs (ImageNet-R runs 5 and 20
-# tasks too); ours: ImageNet-100's 10 epochs (the paper gives none); synthetic: a minute on a CPU.
-DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=s)
-            for name, c, t, e, b, s in [
-                ("cifar100", 100, 10, 20, 128, 224), ("imagenet-r", 200, 10, 50, 128, 224),
-                ("domainnet", 345, 5, 5, 128, 224), ("imagenet100", 100, 10, 10, 128, 224),
-                ("fashion-mnist", 10, 5, 1, 128, 224), ("synthetic", 12, 3, 5, 16, 64)]}
+# Tasks, epochs, batch size, resolution, patch size: the paper's and InfLoRA's configs (ImageNet-R
+# runs 5 and 20 tasks too); ours: ImageNet-100's 10 epochs (the paper gives none); synthetic: a
+# minute on a CPU; Fashion-MNIST: its images' own 28 px, in 7 px patches (no checkpoint has them).
+DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=s, patch_size=p)
+            for name, c, t, e, b, s, p in [
+                ("cifar100", 100, 10, 20, 128, 224, 16), ("imagenet-r", 200, 10, 50, 128, 224, 16),
+                ("domainnet", 345, 5, 5, 128, 224, 16), ("imagenet100", 100, 10, 10, 128, 224, 16),
+                ("fashion-mnist", 10, 5, 1, 128, 28, 7), ("synthetic", 12, 3, 5, 16, 64, 16)]}
 IN_MEMORY = ("synthetic", "cifar100", "fashion-mnist")  # held as arrays: no loader processes
 CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
 IMAGENET_R_URL = "https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar"

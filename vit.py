@@ -1,10 +1,9 @@
 """A plain ViT (B/16; S/16 and Ti/16 for a CPU) whose K and V layers a method may replace, and
-strict loading of the public checkpoints: Google's npz (AugReg in21k, SAM), timm-layout state
-dicts (DINO, any timm ViT) and this ViT's own state dict.
+strict loading of the public checkpoints: Google's npz (AugReg in21k), timm-layout state dicts
+(DINO, any timm ViT) and this ViT's own state dict.
 
-References: ViT (Dosovitskiy et al., ICLR 2021); AugReg (Steiner et al., TMLR 2022); the
-SAM-trained ViT (Chen et al., ICLR 2022); DINO (Caron et al., ICCV 2021); timm's layout
-(R. Wightman, github.com/huggingface/pytorch-image-models).
+References: ViT (Dosovitskiy et al., ICLR 2021); AugReg (Steiner et al., TMLR 2022); DINO (Caron
+et al., ICCV 2021); timm's layout (R. Wightman, github.com/huggingface/pytorch-image-models).
 """
 import functools
 import math
@@ -21,13 +20,12 @@ _AUGREG = "https://storage.googleapis.com/vit_models/augreg/"  # big_vision's "h
 URLS = {"in21k": {768: _AUGREG + "B_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.0-sd_0.0.npz",
                   384: _AUGREG + "S_16-i21k-300ep-lr_0.001-aug_light1-wd_0.03-do_0.0-sd_0.0.npz",
                   192: _AUGREG + "Ti_16-i21k-300ep-lr_0.001-aug_none-wd_0.03-do_0.0-sd_0.0.npz"},
-        "sam": {768: "https://storage.googleapis.com/vit_models/sam/ViT-B_16.npz"},
         "dino": {768: "https://dl.fbaipublicfiles.com/dino/dino_vitbase16_pretrain/"
                       "dino_vitbase16_pretrain.pth"}}
 # The input (mean, std) of the checkpoints' training: Google's [-1, 1], DINO's ImageNet statistics.
 MEAN_STD = {"half": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
             "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
-PRETRAINED_INPUT = {"in21k": "half", "sam": "half", "dino": "imagenet"}
+PRETRAINED_INPUT = {"in21k": "half", "dino": "imagenet"}
 
 
 class CheckpointError(Exception):
