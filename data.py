@@ -28,9 +28,8 @@ class DataError(Exception):
         return super().__str__().rpartition(f"{__name__}.DataError: ")[2].rstrip("\n")
 
 
-# Tasks, epochs, batch size, resolution, patch size: the paper's and InfLoRA's configs (ImageNet-R
-# runs 5 and 20 tasks too); ours: ImageNet-100's 10 epochs (the paper gives none); synthetic: a
-# minute on a CPU; Fashion-MNIST: its images' own 28 px, in 7 px patches (no checkpoint has them).
+# Tasks, epochs, batch, resolution, patch: the paper's and InfLoRA's configs; ours: ImageNet-100's
+# 10 epochs, synthetic's minute on a CPU, Fashion-MNIST's own 28 px in 7 px patches (no checkpoint).
 DATASETS = {name: dict(num_classes=c, tasks=t, epochs=e, batch_size=b, img_size=s, patch_size=p)
             for name, c, t, e, b, s, p in [
                 ("cifar100", 100, 10, 20, 128, 224, 16), ("imagenet-r", 200, 10, 50, 128, 224, 16),
@@ -64,8 +63,7 @@ class _Images(Dataset):
 
 
 def _read(item):
-    """An _Images source item as its transform takes it: a tensor as floats in [0, 1], a file or an
-    array as an RGB image (grey copied to 3 channels)."""
+    """A source item as a transform takes it: a tensor in [0, 1], else an RGB image (grey to 3)."""
     if torch.is_tensor(item):
         return item.float() / 255
     if isinstance(item, str):  # a file, read whole here: a damaged one is named
@@ -95,14 +93,19 @@ def _reading(what, fix):
 
 
 def _download(url, root):
-    """url's file into root (its name: url's last part); a failed download names the file."""
-    with _reading(root / url.rsplit("/", 1)[1], f"it is missing: put it there from {url}"):
-        datasets.utils.download_url(url, str(root))
+    """url's file into root (named as url's end); a failure names it, and leaves no root it made."""
+    made = not root.exists()
+    try:
+        with _reading(root / url.rsplit("/", 1)[1], f"it is missing: put it there from {url}"):
+            datasets.utils.download_url(url, str(root))
+    except DataError:
+        if made:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
 
 
 def _unpack(root, url, name, download):
-    """root/name from url's archive in root (downloaded if absent and download), unpacked beside
-    and renamed: a damaged archive leaves no half a folder that the next run would take for data."""
+    """root/name from url's archive in root (downloaded if absent), unpacked beside, renamed."""
     archive = root / url.rsplit("/", 1)[1]
     if download and not archive.is_file():
         _download(url, root)
@@ -117,8 +120,7 @@ def _unpack(root, url, name, download):
 
 
 def _cifar100(root, download):
-    """The pickled cifar-100-python folder in root, or root itself, read as torchvision reads it
-    but without its MD5 check, so that a copy in the same format (a generated one) loads too."""
+    """cifar-100-python/ in root, or root itself, read as torchvision reads it, without its MD5."""
     folder = root if (root / "meta").is_file() else root / "cifar-100-python"
     if not folder.is_dir():
         _unpack(root, CIFAR100_URL, folder.name, download)
@@ -317,8 +319,7 @@ def subset(ds, classes):
 
 
 def thin(splits, limit, seed):
-    """splits with at most `limit` training images per class (None: all): the first of each class
-    after a shuffle drawn from seed, in the data set's order. The test set stays whole."""
+    """splits with at most `limit` training images per class (None: all), drawn from seed."""
     if limit is None:
         return splits
     targets = splits.train.targets
@@ -340,8 +341,7 @@ def make_loader(ds, batch_size, train, workers, seed, device=None):
 
 
 class _Seeded(Dataset):
-    """Items (image, label, transform, seed) made as _Images makes one, under that seed: an item
-    carries all it needs, so that one DataLoader serves every pass."""
+    """Items (image, label, transform, seed), made under that seed: one DataLoader serves all."""
 
     def __getitem__(self, item):
         image, label, transform, seed = item
@@ -402,8 +402,7 @@ class _Batches:
 
 
 def end_workers():
-    """Ends the process's loader workers now (a run's end, Ctrl-C, an error): torch ends them
-    when their DataLoader's iterator goes, which an error's traceback can hold past the run."""
+    """Ends the loader workers now, which an error's traceback would otherwise hold past the run."""
     global _pool
     if _pool is not None and _pool._iterator is not None:
         _pool._iterator._shutdown_workers()

@@ -38,7 +38,6 @@ from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 import data
@@ -91,7 +90,6 @@ class Config:
     rectify: Literal["grad", "update"] = "grad"  # GR on Adam's gradients (Sec. 3) or step (ours)
     # Training (Sec. 4.1, and the InfLoRA codebase's where the paper gives no value)
     lr: float = 5e-4  # Adam's learning rate (the InfLoRA codebase's)
-    schedule: Literal["inflora", "cosine"] = "inflora"  # the lr per epoch (lr_factor)
     epochs: int = None  # epochs per task (Sec. 4.1: CIFAR-100 20, ImageNet-R 50)
     batch_size: int = None  # images per step (Sec. 4.1: 128)
     # The data and the backbone (Sec. 4.1)
@@ -487,10 +485,10 @@ def train_task(learner, t, tasks, splits, cfg, seed):
     speeds = []
     for epoch in range(cfg.epochs):
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs, cfg.schedule)
+            group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs)
         start = time.time()
         loss_sum, correct, seen = 0.0, 0, 0
-        for x, y in reported(loader, f"seed {seed} task {t + 1} epoch {epoch + 1}"):
+        for x, y in loader:
             x, y = x.to(cfg.device, non_blocking=True), local[y.to(cfg.device)]
             loss, right = train_step(learner, opt, x, y, cfg)
             loss_sum = loss_sum + loss * len(y)  # tensors, read once per epoch
@@ -516,11 +514,9 @@ def adam(learner, cfg):
     return torch.optim.Adam(params, lr=cfg.lr)
 
 
-def lr_factor(epoch, epochs, schedule):
-    """The lr of a task's epoch (from 0) as a factor of --lr: the InfLoRA codebase's, as its code
-    steps it, 1 and then cos(99 pi e / (200 (E - 1))), e = epoch - 1 of E; or a half cosine."""
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+def lr_factor(epoch, epochs):
+    """The lr of a task's epoch (from 0) as a factor of --lr, as the InfLoRA codebase steps its
+    CosineSchedule under Adam: 1, then cos(99 pi e / (200 (E - 1))) for e = epoch - 1 of E."""
     if epoch == 0 or epochs == 1:  # the codebase divides by zero at E = 1: one epoch at lr
         return 1.0
     return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
@@ -531,7 +527,7 @@ def end_task(learner, t, tasks, splits, cfg):
     """Task t's end: DML's old prototypes gain its classes, M gains its basis, the LoRA pairs merge
     into W0 and fresh pairs are drawn. Returns each layer's (A, B) before the merge."""
     images = data.subset(splits.train_eval, tasks[t])  # the task's training images, test transform
-    z, y = features(learner.model, images, cfg, what=f"the end of task {t + 1}")
+    z, y = features(learner.model, images, cfg)
     learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
     if cfg.oe and cfg.memory == "tasks":  # V joins M (OnlineSubspace.merge)
         learner.memory = learner.subspace.merge(learner.memory)
@@ -559,8 +555,7 @@ def evaluate(learner, splits, tasks, cfg, measure=None):
     and task-aware (ours: the true task's head), the accuracy over the samples, the task's z, y."""
     heads, t = learner.heads, len(learner.heads) - 1
     seen = torch.tensor([c for classes in tasks[:t + 1] for c in classes], device=cfg.device)
-    z, y = features(learner.model, data.subset(splits.test, seen.tolist()), cfg, measure,
-                    "the evaluation and analyses")
+    z, y = features(learner.model, data.subset(splits.test, seen.tolist()), cfg, measure)
     task_of = torch.empty(int(seen.max()) + 1, dtype=torch.long, device=cfg.device)
     for i, classes in enumerate(tasks[:t + 1]):
         task_of[classes] = i
@@ -575,12 +570,12 @@ def evaluate(learner, splits, tasks, cfg, measure=None):
 
 
 @torch.no_grad()
-def features(model, images, cfg, measure=None, what="a pass"):
+def features(model, images, cfg, measure=None):
     """z (n, D) and the labels y (n,) of the images, in their order; measure(K/V inputs, y) is
     called on each batch, if given."""
     zs, ys = [], []
     loader = data.make_loader(images, cfg.batch_size, False, cfg.workers, 0, cfg.device)
-    for x, y in reported(loader, f"{what} over {len(images)} images"):
+    for x, y in loader:
         x, y = x.to(cfg.device), y.to(cfg.device)
         with torch.autocast(x.device.type, torch.bfloat16,
                             enabled=x.is_cuda and cfg.precision == "bf16"):  # as train_step
@@ -679,7 +674,7 @@ def kv_covariance(model, images, cfg):
         X = [x.float().flatten(0, 1) for x in kv_inputs]  # (B (N + 1), D) per block
         C = C + torch.stack([x.T @ x for x in X])
         n += X[0].shape[0]
-    features(model, images, cfg, add, "the K/V covariance")
+    features(model, images, cfg, add)
     return C / n
 
 
@@ -728,21 +723,27 @@ def new_record(seed):
     """What the task loop measures of a seed, task by task: results.json's entry for it."""
     return {"seed": seed, "acc_matrix": [], "task_aware": [], "sample_acc": [], "task_seconds": [],
             "throughput": [], "on_memory": {"k": [], "v": []}, "interference": [], "geometry": [],
-            "subspace": [], "memory": []}
+            "subspace": [], "memory": [], "trained_on": []}
 
 
 def analyses_probe(factors, oe, current, cfg):
-    """A function for evaluate to call on each batch, and the sums it fills: per K/V layer, the
-    sums of ||x dW^T||^2 over the past tasks' tokens x and over the current task's, with
-    dW = s B A of the task's factors, and their numbers of tokens; and with OE, oe = (V, M) and
-    each block's X^T X over the current task's tokens."""
+    """A function for evaluate to call on each batch of K/V inputs x, and the sums that it fills
+    for Fig. 2 on real inputs: per K/V layer, ||x dW^T||^2 over the past tasks' tokens and over
+    the current task's, dW = s B A of the task's factors, and their numbers of tokens; with OE,
+    oe = (V, M), and each block's X^T X over the current task's tokens. x comes from the model
+    after the task (merged), not from the one that learned the past tasks."""
     sums = {"change": 0.0, "tokens": 0.0, "gram": 0.0, "oe": oe}
 
     def probe(kv_inputs, y):
         now = (y[:, None] == torch.tensor(current, device=y.device)).any(1)  # (B,)
-        change, tokens = output_change(kv_inputs, now, factors, cfg.lora_scale)
-        sums["change"] = sums["change"] + change
-        sums["tokens"] = sums["tokens"] + tokens
+        e = []
+        for j, (A, B) in enumerate(factors):  # K and V of block j // 2 share its input
+            u = kv_inputs[j // 2].float() @ A.T  # (B, N + 1, r)
+            e.append(cfg.lora_scale ** 2 * ((u @ (B.T @ B)) * u).sum((1, 2)))  # per image
+        e = torch.stack(e, 1)  # (B, layers)
+        sums["change"] = sums["change"] + torch.stack([e[~now].sum(0), e[now].sum(0)])
+        n = torch.stack([(~now).sum(), now.sum()])[:, None] * kv_inputs[0].shape[1]
+        sums["tokens"] = sums["tokens"] + n
         if oe:
             X = [x[now].flatten(0, 1).float() for x in kv_inputs]  # (n, D) per block
             sums["gram"] = sums["gram"] + torch.stack([x.T @ x for x in X])
@@ -764,8 +765,7 @@ def record_analyses(record, learner, t, factors, memory, z, y, sums, cfg):
         line += (f" ({full} of {len(record['memory'][-1])} blocks full: their K and V learn "
                  f"nothing from task {t + 2} on)")
     if record["subspace"][-1]:
-        line += (f"; OE's V holds {fmt(mean(record['subspace'][-1]['capture']), '.4f')} of the "
-                 "energy of the task's top-k eigenspace")
+        line += f"; OE capture {fmt(mean(record['subspace'][-1]['capture']), '.4f')}"
     if t == 0:  # no past tasks, no old prototypes
         record["interference"].append(None)
         record["geometry"].append(None)
@@ -774,27 +774,9 @@ def record_analyses(record, learner, t, factors, memory, z, y, sums, cfg):
     record["interference"].append({"past": past, "current": now})
     old = len(learner.prototypes) - learner.heads[-1].out_features  # the classes before task t
     record["geometry"].append(dml_geometry(z, y, learner.prototypes, old))
-    shares = [fmt(mean(record["on_memory"][n][-1]), ".2e") for n in "kv"]
-    danger = 100 * record["geometry"][-1]["danger"]
-    return (f"{line}; past change {mean(past):.3g} (Fig. 2's violation: the RMS change of the "
-            f"past tasks' K/V outputs), current change {mean(now):.3g}; ||dW M|| / ||dW|| "
-            f"{shares[0]} (K), {shares[1]} (V); {danger:.1f}% of the task's test images in DML's "
-            "danger zone, a cosine above 0.5 to an old class (Fig. 3)")
-
-
-@torch.no_grad()
-def output_change(kv_inputs, now, factors, scale):
-    """Fig. 2 on real inputs, over one batch: per K/V layer, the sums of ||x dW^T||^2 over the past
-    tasks' tokens x and over those of the current task's images (now), (2, layers), with
-    dW = s B A of the task's factors; and their numbers of tokens (2, 1). x: the K/V inputs after
-    the task (merged), not those of the model that learned the past tasks."""
-    e = []
-    for j, (A, B) in enumerate(factors):  # K and V of block j // 2 share its input
-        u = kv_inputs[j // 2].float() @ A.T  # (B, N + 1, r)
-        e.append(scale ** 2 * ((u @ (B.T @ B)) * u).sum((1, 2)))  # per image
-    e = torch.stack(e, 1)  # (B, layers)
-    tokens = torch.stack([(~now).sum(), now.sum()])[:, None] * kv_inputs[0].shape[1]
-    return torch.stack([e[~now].sum(0), e[now].sum(0)]), tokens
+    on_m = mean(record["on_memory"]["k"][-1] + record["on_memory"]["v"][-1])
+    return (f"{line}; past change {mean(past):.3g} (Fig. 2), current change {mean(now):.3g}; on "
+            f"M {fmt(on_m, '.2e')}; danger {100 * record['geometry'][-1]['danger']:.1f}% (Fig. 3)")
 
 
 @torch.no_grad()
@@ -829,14 +811,12 @@ def subspace_error(V, memory, gram):
 
 def dml_geometry(z, y, prototypes, old, bins=20):
     """One task's test features z (n, D), classes y: cos_old, the largest cosine to an old class's
-    prototype (classes below `old`), and cos_own, to its own; the shares the paper reads; and
-    cos_old's histogram (the appendix's density)."""
+    prototype (classes below `old`), and cos_own, to its own; the share in the danger zone
+    (cos_old > 0.5); and cos_old's histogram (the appendix's density, Fig. 7b)."""
     z = F.normalize(z.float(), dim=1)
     cos_old = (z @ prototypes[:old].T).amax(1)  # (n,)
     cos_own = (z * prototypes[y]).sum(1)
     return {"danger": float((cos_old > 0.5).float().mean()),
-            "safe": float((cos_old < 0.2).float().mean()),
-            "closer_to_old": float((cos_old > cos_own).float().mean()),
             "hist": (torch.histc(cos_old, bins, -1, 1) / len(z)).tolist(),
             "cos_old": [round(v, 4) for v in cos_old.tolist()],
             "cos_own": [round(v, 4) for v in cos_own.tolist()]}
@@ -864,22 +844,18 @@ METRICS = {
     "sample ACC": (lambda r: r["sample_acc"][-1], ".2f", "what the InfLoRA codebase logs: the "
                    "accuracy over all test samples after the last task"),
     "past change": (lambda r: mean([v for i in r["interference"] if i for v in i["past"]]), ".3g",
-                    "Fig. 2's null-space violation ||dW X_past|| on real inputs: the RMS change "
-                    "that each task's update makes to the K/V outputs of the past tasks' test "
-                    "images, per token (the mean over tasks 2..T and the K/V layers)"),
+                    "Fig. 2's null-space violation ||dW X_past||: the RMS change of the past "
+                    "tasks' K/V outputs per token, mean over tasks 2..T and the K/V layers"),
     "current change": (lambda r: mean([v for i in r["interference"] if i for v in i["current"]]),
-                       ".3g", "the same over the current task's test images: what the task "
-                       "learns, which the method does not hold small"),
+                       ".3g", "the same over the current task's test images"),
     "on M": (lambda r: mean([v for n in "kv" for vs in r["on_memory"][n] for v in vs]), ".2e",
              "ours: the share of each task's update dW on its memory M, ||dW M|| / ||dW||"),
     "danger %": (lambda r: mean([100 * g["danger"] for g in r["geometry"] if g]), ".1f", "Fig. "
                  "3: the share (%) of each task's test images in DML's danger zone, a cosine "
                  "above 0.5 to an old class's prototype"),
     "OE capture": (lambda r: mean([v for s in r["subspace"] if s for v in s["capture"]]), ".4f",
-                   "the share of the energy of each task's top-k eigenspace (its K/V inputs off "
-                   "M) that OE's V holds at the task's end (1: all of it)"),
-    "OE sine": (lambda r: mean([v for s in r["subspace"] if s for v in s["sine"]]), ".3f", "the "
-                "sine of the largest principal angle between OE's V and that eigenspace"),
+                   "the share of the energy of each task's top-k eigenspace (its test images' K/V "
+                   "inputs off M) that OE's V holds at the task's end (results.json: the sine)"),
     "M width": (lambda r: mean(r["memory"][-1]), ".1f", "the columns of a block's memory M after "
                 "the last task, the mean over the blocks"),
     "s / task": (lambda r: mean(r["task_seconds"]), ".1f", "a task's training time, with the "
@@ -887,38 +863,17 @@ METRICS = {
 }
 
 
-# ---- What the console says: a line for a long pass, the run's expected time ----------------------
-def reported(loader, what):
-    """The loader's batches, with a line every 30 s that says how far `what` has come."""
-    start = last = time.time()
-    for i, batch in enumerate(loader, 1):
-        yield batch
-        if time.time() - last > 30:
-            last = time.time()
-            print(f"  {what}: {i} of {len(loader)} batches in {duration(last - start)}", flush=True)
-
-
+# ---- What the console says: the run's expected time ---------------------------------------------
 def estimate(speed, splits, cfg):
     """How long a seed takes at `speed` images per second: its training, and at most as long again
-    per image for its passes without gradients (a forward pass costs less than a step): each
-    task's end, and the evaluations of the seen tasks' test images."""
+    per image for its passes without gradients (a task's end, the evaluations)."""
     counts = torch.bincount(torch.tensor(splits.test.targets), minlength=splits.num_classes)
     test = int(counts.view(cfg.tasks, -1).sum(1).cumsum(0).sum())  # the seen tasks' after each
     trained, passes = cfg.epochs * len(splits.train), len(splits.train) + test
-    return (f"note: at {speed:.1f} img/s on {cfg.device}, a seed takes about "
-            f"{duration(trained / speed)} to train ({cfg.epochs} epoch(s) of {len(splits.train)} "
-            f"images), and at most {duration(passes / speed)} more for {passes} images without "
-            "gradients (the tasks' ends, and the evaluations on the whole test set, which "
-            "--limit-per-class does not thin)")
-
-
-def duration(seconds):
-    """A time span in the largest unit of which at least two have passed: 45 s, 2.5 min,
-    6.1 days."""
-    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 2 * size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
+    return (f"note: at {speed:.1f} img/s on {cfg.device}, a seed takes about {trained / speed / 60:.0f}"
+            f" min to train ({cfg.epochs} epoch(s) of {len(splits.train)} images), and at most "
+            f"{passes / speed / 60:.0f} min more for {passes} images without gradients (the tasks' "
+            "ends, and the evaluations on the whole test set, which --limit-per-class keeps)")
 
 
 def fmt(value, spec=".2f"):
@@ -929,16 +884,16 @@ def fmt(value, spec=".2f"):
 # ==== Part 4. The program: flags, a run's folder and state, outputs, --reproduce, --benchmark ====
 @dataclass
 class Options(Config):
-    """Config's settings and the program's own, which change no result: each a flag, as Config's."""
+    """Config's settings and the program's own, which change no result."""
     data_dir: str = "data"  # the folder that holds (or receives) the data set
     seeds: tuple[int, ...] = (0,)  # the seeds; several give mean +- std (the paper: 5)
-    method: str = None  # a --method of the tables (METHODS): its flags, put before the typed ones
-    # the run's folder (default: runs/<method>-<dataset>-T<tasks>-<digest of the result-changing
-    # flags>); the same command continues the run in it
+    method: str = None  # a --method of the tables (METHODS): its flags, before the typed ones
+    # the run's folder (default: runs/<method>-<dataset>-T<tasks>-<a digest of the flags that
+    # change results>); the same command continues the run in it
     out: str = None
     resume: str = None  # continue the run in this folder, with its own flags
     benchmark: bool = False  # time plain LoRA's and Janus-LoRA's training steps, then exit
-    steps: int = 20  # --benchmark: the timed rounds, after 5 warm-up steps
+    steps: int = 20  # with --benchmark: the timed rounds, after 5 warm-up steps
     reproduce: str = None  # run each row of a table or figure of the paper (REPRODUCE)
     row: str = None  # with --reproduce: run this row alone (one job of an array)
     dry_run: bool = False  # with --reproduce: print the rows' commands, run nothing
@@ -954,17 +909,16 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "lora-gpm": ("--memory gpm --no-gr --no-dml --lora-a kaiming", "LoRA-GPM"),
            "lora-gpm-gr": ("--memory gpm --no-dml --lora-a kaiming", "LoRA-GPM + GR (Fig. 6)"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
-# The flags that change no result: the machine's, where the data lie, which seeds (a run keeps
-# each seed's numbers apart) and the program's own. Another value of any other makes another run.
-FREE = ("data_dir", "device", "workers", "compile",
-        *(f.name for f in fields(Options) if f not in fields(Config)))
+# The flags that change no result: the machine's and the program's own (where the data lie, which
+# seeds: a run keeps each seed's numbers apart). Another value of any other makes another run.
+FREE = ("device", "workers", "compile", *(f.name for f in fields(Options) if f not in fields(Config)))
+# The settings that a switched-off part never reads: no part of such a run's identity.
+UNDER = {"oe": ("k", "oe_step", "oe_lr", "oe_decay_steps", "memory", "gpm_threshold"),
+         "gr": ("delta", "rectify"), "dml": ("margin", "tau", "lambda_dml")}
 # A number flag is at least 1 (an int) or above 0 (a float), unless its bounds are named here.
 LEAST = {"rank": 0, "margin": 0, "lambda_dml": 0, "workers": 0, "seeds": 0}
-MOST = {"gpm_threshold": 1}
-EXAMPLES = """examples:
-  python janus_min.py --reproduce demo --dataset synthetic --model vit_tiny --weights none
-  python janus_min.py --dataset cifar100 --seeds 0 1 2 3 4   # again after a stop: it continues
-  python janus_min.py --reproduce ablation --dataset imagenet-r --dry-run"""
+MOST = {"gpm_threshold": 1, "seeds": 2**32 - 1}  # a seed that every generator takes
+WIDE = ("rank", "k")  # at most the backbone's width D (check)
 
 
 class RunError(Exception):
@@ -983,34 +937,32 @@ def flag(name):
 
 
 def parser():
-    """The parser of Options' fields, each typed by its annotation and described by its comment;
-    what it returns holds only the flags typed."""
-    p = Parser(prog="janus_min.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
-               argument_default=argparse.SUPPRESS, allow_abbrev=False,  # --seed is no --seeds
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser of Options' fields, each typed by its annotation, its help its comment."""
+    p = Parser(prog="janus_min.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+               argument_default=argparse.SUPPRESS)  # no abbreviations: --seed is no --seeds
     helps = {**field_comments(Config), **field_comments(Options)}
     for f in fields(Options):
-        default = " ".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-        default = ("on" if default else "off") if f.type is bool else default
-        kw = dict(help=helps[f.name] + ("" if f.default is None else f" (default: {default})"))
         kind, args = getattr(f.type, "__origin__", f.type), get_args(f.type)
+        shown = " ".join(map(str, f.default)) if kind is tuple and f.default else f.default
+        shown = {True: "on", False: "off"}.get(shown, shown)
+        kw = dict(help=helps[f.name] + ("" if shown is None else f" (default: {shown})"))
         if f.type is bool:  # a switch: --NAME and --no-NAME
             kw.update(action=argparse.BooleanOptionalAction)
         elif kind is Literal or f.name in ("method", "reproduce"):
             kw.update(choices=args or (METHODS if f.name == "method" else REPRODUCE))
-        elif kind is tuple and args[-1] is Ellipsis:  # one or more, and repeats add up
-            kw.update(nargs="+", action="extend", type=number(args[0], f.name))
-        elif kind is tuple:  # as many as args name
-            kw.update(nargs=len(args), type=number(args[0], f.name))
+        elif kind is tuple:  # (int, ...): one or more, repeats add up; (float, float): two
+            more = args[-1] is Ellipsis
+            kw.update(nargs="+" if more else len(args), type=number(args[0], f.name),
+                      action="extend" if more else "store")
         else:
             kw.update(type=number(f.type, f.name) if f.type in (int, float) else f.type)
         p.add_argument(flag(f.name), **kw)
     return p
 
 
+@cache  # the source does not change while the program runs
 def field_comments(cls):
-    """Each field's comment in the class's source: the one that ends its line, or else the
-    comment lines just above it."""
+    """Each field's comment in the class's source: the one ending its line, or the lines above."""
     comments, above = {}, []
     for line in inspect.getsource(cls).splitlines():
         code, _, comment = (part.strip() for part in line.partition("#"))
@@ -1021,18 +973,17 @@ def field_comments(cls):
 
 
 def number(kind, name):
-    """The type of a number flag: kind(text), which argparse refuses in one line unless it is
-    finite and within the flag's bounds."""
-    least, most = LEAST.get(name), MOST.get(name, math.inf)
+    """The type of a number flag: kind(text), refused in one line unless finite and in bounds."""
+    least, most = LEAST.get(name, 1 if kind is int else 0), MOST.get(name, math.inf)
+    closed = kind is int or name in LEAST  # at least `least`, else above it
+    bound = f"{'at least' if closed else 'above'} {least}"
+    bound += f" and at most {most}" * (most < math.inf)
 
     def convert(text):
         value = kind(text)
-        low = value >= least if least is not None else value >= 1 if kind is int else value > 0
-        if not (math.isfinite(value) and low and value <= most):
-            bound = f"at least {least}" if least is not None else "at least 1" if kind is int \
-                else "above 0"
-            raise argparse.ArgumentTypeError(f"{text}: must be {bound}"
-                                              + f" and at most {most}" * (most < math.inf))
+        if not (math.isfinite(value) and (value >= least if closed else value > least)
+                and value <= most):
+            raise argparse.ArgumentTypeError(f"{text}: must be {bound}")
         return value
     convert.__name__ = kind.__name__  # so that argparse names the type: "invalid int value"
     return convert
@@ -1046,49 +997,55 @@ def parse(argv):
 
 
 def configure(argv=None):
-    """argv's Config, filled in; with --resume DIR, the run's own flags under those typed."""
+    """argv's Options, filled in; with --resume DIR, the run's own settings under those typed."""
     values, typed = parse(argv)
     if "resume" in typed:
-        if not (found := list(states(typed["resume"]))):
-            raise RunError(f"--resume {typed['resume']}: no seed's state (seed<N>.pt) in that "
-                           "folder")
-        seeds = sorted({seed for state in found for seed in state["config"]["seeds"]})
-        values = {**found[0]["config"], "seeds": seeds, **typed, "out": typed["resume"]}
+        if not (saved := claimed(typed["resume"])):
+            raise RunError(f"--resume {typed['resume']}: no run in that folder (no config.json)")
+        seeds = sorted({*saved["options"]["seeds"], *states_in(typed["resume"])})
+        known(saved["options"], f"{typed['resume']} holds a run", "continue it with that version")
+        values = {**saved["options"], "seeds": seeds, **typed, "out": typed["resume"]}
     cfg = Options(**values)
     defaults = {k: v for k, v in data.DATASETS[cfg.dataset].items() if getattr(cfg, k, 0) is None}
     gpm = [0.98 if cfg.dataset == "imagenet-r" else 0.95, 1.0]  # InfLoRA's configs
     cores = os.cpu_count() or 1
     cfg = replace(cfg, **defaults, seeds=list(cfg.seeds), gpm_threshold=cfg.gpm_threshold or gpm,
-                  workers=min(cores, cores if cfg.workers is None else cfg.workers))
+                  workers=min(cores, cores if cfg.workers is None else cfg.workers),
+                  data_dir=os.path.expanduser(cfg.data_dir))  # as a shell would, after "="
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    check(cfg)
-    cfg.compile = "on" if cfg.compile == "auto" and cfg.device.startswith("cuda") else cfg.compile
-    cfg.compile = "off" if cfg.compile == "auto" else cfg.compile
+    check(cfg, typed)
+    cuda = cfg.device.startswith("cuda")
+    cfg.compile = "on" if cfg.compile == "on" or (cfg.compile == "auto" and cuda) else "off"
     if cfg.out is None:  # the same flags, the same folder: the same command continues its run
         changed = {k: v for k, v in result_values(asdict(cfg)).items() if v != getattr(Config, k)}
         digest = hashlib.sha256(json.dumps(changed).encode()).hexdigest()[:6]  # a new flag: none
-        name = cfg.reproduce or method_of(asdict(cfg))
+        name = cfg.reproduce or describe(asdict(cfg))[0]
         cfg.out = os.path.join("runs", f"{name}-{cfg.dataset}-T{cfg.tasks}-{digest}")
     return cfg
 
 
-def check(cfg):
-    """Refuse in one line the flags that would run only to fail late or silently."""
-    width = vit.PRESETS[cfg.model].keywords["embed_dim"]
-    rows = REPRODUCE[cfg.reproduce][1] if cfg.reproduce else {}
+def check(cfg, typed):
+    """Refuse in one line the flags that would run only to fail late, or silently do nothing."""
     try:
         torch.empty(0, device=cfg.device)  # CUDA starts here: a device this machine lacks fails
     except (RuntimeError, AssertionError) as e:  # no such name, or no such device here
         raise RunError(f"--device {cfg.device}: {str(e).splitlines()[0]}") from None
+    width = vit.PRESETS[cfg.model].keywords["embed_dim"]
+    rows = REPRODUCE[cfg.reproduce][1] if cfg.reproduce else {}
+    modes = [flag(mode) for mode in ("benchmark", "reproduce", "resume") if mode in typed]
     for ok, said in (
-            (max(cfg.rank, cfg.k) <= width, f"--rank, --k: at most {cfg.model}'s width, {width}"),
+            *((getattr(cfg, n) <= width, f"{flag(n)}: at most {cfg.model}'s width, {width}")
+              for n in WIDE),
             (cfg.img_size % cfg.patch_size == 0, "--img-size: a multiple of --patch-size"),
             (cfg.lora_a != "inflora" or not cfg.gr, "--lora-a inflora freezes A, which GR "
              "trains: add --no-gr"),
-            (cfg.rank > 0 or not cfg.gr, "--rank 0 trains no adapter for GR to rectify: add "
-             "--no-gr"),
+            (cfg.rank > 0 or not cfg.gr, "--rank 0 trains no adapter for GR: add --no-gr"),
             (len(set(cfg.seeds)) == len(cfg.seeds), "--seeds: name each seed once"),
+            (len(modes) < 2, f"{' and '.join(modes)}: one at a time"),
+            ({"resume", "out"} - set(typed), "--resume continues the run in its folder: leave out "
+             "--out"),
+            (cfg.benchmark or "steps" not in typed, "--steps goes with --benchmark"),
             (cfg.reproduce or not (cfg.row or cfg.dry_run), "--row and --dry-run go with "
              "--reproduce NAME"),
             (cfg.row in (None, *rows), f"--row {cfg.row}: not a row of --reproduce "
@@ -1104,67 +1061,64 @@ def check(cfg):
 
 
 def result_values(config):
-    """A config's values that change results: not FREE's; a weights file by its name alone."""
+    """A config's values that change results: not FREE's, nor those a switched-off part ignores;
+    a weights file by its name (the run knows its content by a digest: claim)."""
+    unread = {name for switch, names in UNDER.items() if not config[switch] for name in names}
     return {k: os.path.basename(v) if k == "weights" else v for k, v in config.items()
-            if k not in FREE}
+            if k not in FREE and k not in unread}
+
+
+def describe(config):
+    """A config (a dict) as its nearest --method, and that method's flag with the flags it adds:
+    ('janus', '--method janus --lr 0.001')."""
+    values, preset = result_values(config), partial(method_values, dataset=config["dataset"])
+    typed = {k: flag(k) if v is True else f"--no-{flag(k)[2:]}" if v is False else f"{flag(k)} " +
+             " ".join(map(str, v if isinstance(v, list) else [v])) for k, v in values.items()}
+    added = {m: [typed[k] for k, v in values.items() if preset(m).get(k) != v] for m in METHODS}
+    method = min(METHODS, key=lambda m: len(added[m]))
+    return method, " ".join([f"--method {method}", *added[method]])
 
 
 @cache  # METHODS and Config do not change while the program runs
-def presets():
-    """Each --method's value of every flag that a --method sets: what tells the methods apart."""
-    typed = {name: parse(flags.split())[1] for name, (flags, _) in METHODS.items()}
-    flags = {k for t in typed.values() for k in t}
-    return {name: {k: t.get(k, getattr(Config, k)) for k in flags} for name, t in typed.items()}
+def method_values(method, dataset):
+    """A --method's values of the flags that change results, on a data set."""
+    argv = ["--method", method, "--dataset", dataset, "--device", "cpu", "--out", ""]
+    return result_values(asdict(configure(argv)))
 
 
-def method_of(config):
-    """The --method whose flags a config (a dict) has, or 'custom'."""
-    return next((name for name, values in presets().items()
-                 if all(config[k] == v for k, v in values.items())), "custom")
+def machine(cfg):
+    """Where and in what the numbers run: bf16 autocast is CUDA's, so a CPU runs in fp32."""
+    cpu = f"cpu ({torch.get_num_threads()} threads) fp32"
+    cuda = cfg.device.startswith("cuda") and f"{torch.cuda.get_device_name(cfg.device)} {cfg.precision}"
+    return f"{cuda or cpu}, torch {torch.__version__}"
 
 
-def precision(cfg):
-    """What the numbers run in: bf16 autocast is CUDA's, so a CPU runs in fp32."""
-    return f"{cfg.device} {cfg.precision if cfg.device.startswith('cuda') else 'fp32'}"
-
-
-# ---- A run: its folder, with a state file per seed, held by the process that runs the seed ------
-STATE = ("config", "record", "learner", "rng")  # what a seed's state file holds, after each task
+# ---- A run's folder: config.json, which fixes its configuration, and a state file per seed ------
+STATE = ("options", "backbone", "record", "learner", "rng")  # a seed's state, after each task
 
 
 def seed_file(folder, seed):
     return os.path.join(folder, f"seed{seed}.pt")
 
 
+def done(state, cfg):
+    return state is not None and len(state["record"]["acc_matrix"]) == cfg.tasks
+
+
+def states_in(folder):
+    """The state files of a folder, seed<N>.pt, by their seed N."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    found = {int(m[1]): m[0] for name in names if (m := re.fullmatch(r"seed(\d+)\.pt", name))}
+    return {seed: os.path.join(folder, found[seed]) for seed in sorted(found)}
+
+
 @contextlib.contextmanager
 def locked(path, wait=False):
-    """The file at path, held by flock, which the system releases however the process ends.
-    Where another process holds it: BlockingIOError at once, or with wait, a wait for it."""
+    """The file at path, held by flock until the process ends; held by another: BlockingIOError."""
     with open(path, "w") as lock:
         if fcntl:
             fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         yield
-
-
-def read_state(path, device="cpu"):
-    """A seed's state, None where it has none."""
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except FileNotFoundError:
-        return None
-    except Exception as e:  # noqa: BLE001 -- torch's unpickler fails in many ways on a bad file
-        state = e
-    if not isinstance(state, dict) or not set(STATE) <= state.keys():
-        raise RunError(f"{path} is no seed's state of janus_min.py ({type(state).__name__}): move "
-                       "it away, and that seed starts again")
-    return state
-
-
-def states(folder):
-    """The state of each seed in a run folder, by seed, on the CPU, each read when it is reached."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    seeds = sorted(int(m[1]) for name in names if (m := re.fullmatch(r"seed(\d+)\.pt", name)))
-    return (read_state(seed_file(folder, seed)) for seed in seeds)
 
 
 def written(path, content):
@@ -1176,8 +1130,8 @@ def written(path, content):
         content = buffer.getvalue()
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w" if isinstance(content, str) else "wb") as f:
-            f.write(content)
+        with open(tmp, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
         os.replace(tmp, path)
     except OSError as e:  # named by the file that was to be written, not by its temporary one
         raise OSError(e.errno, e.strerror, path) from None
@@ -1186,63 +1140,116 @@ def written(path, content):
             os.remove(tmp)
 
 
+def claimed(folder, reproduce=None):
+    """A folder's config.json (or None): a run's, or that of the --reproduce set asked for."""
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+        if saved.get("reproduce") != reproduce:
+            held = f"the rows of --reproduce {saved['reproduce']}, each a run in {folder}/<row>" \
+                if "reproduce" in saved else "a run"
+            raise RunError(f"{folder} holds {held}: run its own command, or choose another --out")
+        return saved
+
+
+def claim(cfg, backbone=None):
+    """The run folder's config.json, checked against cfg; given a loaded backbone's digest, the
+    first run in the folder writes it first: one folder, one configuration and one backbone."""
+    if backbone:
+        os.makedirs(cfg.out, exist_ok=True)
+        with locked(os.path.join(cfg.out, "lock"), wait=True):  # two jobs that start at once
+            if not claimed(cfg.out):
+                written(os.path.join(cfg.out, "config.json"),
+                        json.dumps({"options": asdict(cfg), "backbone": backbone}))
+    if saved := claimed(cfg.out):
+        same(saved, cfg, backbone, f"{cfg.out} holds a run", "choose another --out")
+    return saved
+
+
+def same(saved, cfg, backbone, what, fix):
+    """Refuse a claim or a state (saved) unless it has cfg's values of the flags that change
+    results and the backbone of that digest (None: any); a flag added since takes its default."""
+    theirs = result_values({**asdict(Options()), **known(saved["options"], what, fix)})
+    other = [f"{flag(k)} {theirs.get(k)} (not {v})" for k, v in result_values(asdict(cfg)).items()
+             if theirs.get(k) != v]
+    other += ["another backbone"] * (backbone not in (None, saved["backbone"]))
+    if other:
+        raise RunError(f"{what} of {', '.join(other)}: {fix}")
+
+
+def known(options, what, fix):
+    """options (a dict), refused where it names a setting that this version lacks."""
+    if unknown := sorted(options.keys() - {f.name for f in fields(Options)}):
+        raise RunError(f"{what} of another version of janus_min.py ({', '.join(unknown)}): {fix}")
+    return options
+
+
+def read_state(path, cfg, folder):
+    """A seed's state (or None), refused unless it is one, of its name's seed and of the folder's."""
+    try:
+        state = torch.load(path, map_location=cfg.device, weights_only=True)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 -- torch's unpickler fails in many ways on a bad file
+        state = e
+    if not isinstance(state, dict) or not set(STATE) <= state.keys():
+        raise RunError(f"{path} is no seed's state of janus_min.py ({type(state).__name__}): "
+                       "move it away, and that seed starts again")
+    if os.path.basename(path) != f"seed{state['record']['seed']}.pt":
+        raise RunError(f"{path} holds seed {state['record']['seed']}: move it away")
+    same(state, cfg, folder and folder["backbone"], f"{path} is a state", "move it away")
+    return state
+
+
 def run(cfg):
-    """A run: each of its seeds that no other process runs, from the last task that its state
-    file holds, its state saved after each task; then the outputs, from every finished seed's
-    state in the folder, whichever process ran it."""
-    os.makedirs(cfg.out, exist_ok=True)
-    if state := next(states(cfg.out), None):  # a folder that holds a run of other flags: refused
-        saved = result_values({**asdict(Options()), **state["config"]})
-        ours = result_values(asdict(cfg))
-        if other := [f"{flag(k)} {saved[k]} (not {ours[k]})" for k in ours if saved[k] != ours[k]]:
-            raise RunError(f"{cfg.out} holds a run of {', '.join(other)}: choose another --out")
+    """A run: each seed that no other process runs, from the last task that its state holds; then
+    the outputs, from every finished seed's state in the folder, whichever process ran it."""
+    folder = claim(cfg)  # a folder of another configuration is refused before anything loads
     load = cache(partial(load_data_and_backbone, cfg))  # loaded when a seed first needs them
     for seed in cfg.seeds:
+        if done(read_state(seed_file(cfg.out, seed), cfg, folder), cfg):
+            continue
+        splits, backbone, folder = load()  # nothing is written before this has succeeded
         try:
             with locked(seed_file(cfg.out, seed) + ".lock"):
-                run_one(cfg, seed, load)
+                run_one(cfg, seed, splits, backbone, folder)
         except BlockingIOError:  # one job of an array over the seeds: another runs this one
             print(f"seed {seed}: another process runs it: left to it", flush=True)
-    with locked(os.path.join(cfg.out, "lock"), wait=True):  # the last writer sees every seed
-        write_outputs(cfg)
+    if folder:
+        with locked(os.path.join(cfg.out, "lock"), wait=True):  # the last writer sees every seed
+            write_outputs(cfg, folder)
     return 0
 
 
-def run_one(cfg, seed, load):
-    """One seed, from the last task saved in its state file (a finished seed is skipped); the
-    state keeps the learner when the seed ends."""
+def run_one(cfg, seed, splits, backbone, folder):
+    """One seed, from the last task that its state file holds; the state is saved after each."""
     path = seed_file(cfg.out, seed)
-    state = read_state(path, cfg.device)
-    if state and len(state["record"]["acc_matrix"]) == cfg.tasks:
+    if done(state := read_state(path, cfg, folder), cfg):
         return
-    splits, backbone = load()
     learner, record = start_learner(cfg, seed, backbone), new_record(seed)
     if state:
         record = restore(learner, state)
         print(f"seed {seed}: continued after task {len(record['acc_matrix'])}")
 
     def save(learner, record):
-        written(path, {"config": asdict(cfg), "record": record, "rng": torch.get_rng_state(),
-                       "learner": learner_state(learner)})
+        record["trained_on"].append(machine(cfg))
+        written(path, {"options": asdict(cfg), "backbone": folder["backbone"], "record": record,
+                       "rng": torch.get_rng_state(), "learner": learner_state(learner)})
     run_seed(learner, record, data.thin(splits, cfg.limit_per_class, seed), cfg, save)
 
 
 def load_data_and_backbone(cfg):
-    """A run's data and backbone, and its first lines."""
+    """A run's data and backbone, its first line, and its folder's claim, now with the backbone."""
     kind = vit.PRETRAINED_INPUT[cfg.weights] if cfg.input_range == "checkpoint" else cfg.input_range
     splits = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.img_size,
                                *vit.MEAN_STD.get(kind, (0.0, 1.0)))  # unit: [0, 1] as it is
     backbone = build_model(cfg)
-    print(f"{cfg.dataset}, T = {cfg.tasks}, {method_of(asdict(cfg))}, {precision(cfg)}: "
+    print(f"{cfg.dataset}, T = {cfg.tasks}, {describe(asdict(cfg))[1]}, {machine(cfg)}: "
           f"{cfg.out}", flush=True)
-    return splits, backbone
+    return splits, backbone, claim(cfg, vit.digest(backbone))
 
 
 def learner_state(learner):
-    """Each field of a learner as its state keeps it, for restore: the model by its K/V layers
-    (W0 with each task's update, A and B: the rest is the checkpoint's), the heads by their
-    tensors, OE by its attributes, and any other field as it is, so that a field added to Learner
-    is kept with no edit here."""
+    """Each field of a learner: the model by its K/V layers, the heads, OE by its attributes."""
     state = {f.name: getattr(learner, f.name) for f in fields(learner)}
     state["model"] = nn.ModuleList(lora_layers(learner.model)).state_dict()
     state["heads"] = [head.state_dict() for head in learner.heads]
@@ -1252,8 +1259,7 @@ def learner_state(learner):
 
 
 def restore(learner, state):
-    """A seed's learner as after the last task of its state, each field as learner_state keeps
-    it; returns the seed's record."""
+    """A seed's learner as after the last task of its state; returns the seed's record."""
     saved = dict(state["learner"])
     nn.ModuleList(lora_layers(learner.model)).load_state_dict(saved.pop("model"))
     for head in saved.pop("heads"):
@@ -1267,7 +1273,17 @@ def restore(learner, state):
     return state["record"]
 
 
-# ---- The outputs: results.json, table.md (the summary) and the paper's figures -------------------
+def load_learner(path):
+    """The learner that a seed's state file holds, and its run's options, on the CPU."""
+    cfg = configure(["--resume", os.path.dirname(path) or ".", "--device", "cpu"])
+    backbone = build_model(cfg)
+    state = read_state(path, cfg, claim(cfg, vit.digest(backbone)))  # this backbone, checked
+    learner = start_learner(cfg, state["record"]["seed"], backbone)
+    restore(learner, state)
+    return learner, cfg
+
+
+# ---- The outputs, written from the states: results.json, table.md and the paper's figures --------
 def summarize(runs):
     """Each metric's mean and sample std (n - 1) over the seeds; None where undefined."""
     values = {name: [r["metrics"][name] for r in runs] for name in METRICS}
@@ -1276,46 +1292,36 @@ def summarize(runs):
             for name, v in values.items()}
 
 
-def finished(folder):
-    """A run folder's config and its finished seeds' records, each with its metrics."""
-    done = [s for s in states(folder) if len(s["record"]["acc_matrix"]) == s["config"]["tasks"]]
-    runs = [dict(s["record"], metrics={k: f(s["record"]) for k, (f, _, _) in METRICS.items()})
-            for s in done]
-    return (done[0]["config"] if done else None), runs
+def records(cfg, folder):
+    """The finished seeds' records in cfg's folder, each with its metrics, each state checked."""
+    states = [read_state(path, cfg, folder) for path in states_in(cfg.out).values()]
+    return [dict(s["record"], metrics={k: f(s["record"]) for k, (f, _, _) in METRICS.items()})
+            for s in states if done(s, cfg)]
 
 
-def write_outputs(cfg):
-    """results.json, table.md and the run's figures (Figs. 2, 3 and 5), from the finished seeds'
-    states in its folder."""
-    _, runs = finished(cfg.out)
-    if not runs:
+def write_outputs(cfg, folder):
+    """results.json, table.md and the run's figures, from the finished seeds' states."""
+    if not (runs := records(cfg, folder)):
         return
-    c = dict(asdict(cfg), seeds=[r["seed"] for r in runs])
-    env = {"torch": torch.__version__, "torchvision": torchvision.__version__,
-           "precision": precision(cfg), "device": torch.cuda.get_device_name(cfg.device)
-           if cfg.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"}
-    results = {"config": c, "environment": env, "runs": runs, "summary": summarize(runs)}
+    config = dict(asdict(cfg), seeds=[r["seed"] for r in runs])
+    results = {"config": config, "runs": runs, "summary": summarize(runs)}
     written(os.path.join(cfg.out, "results.json"), json.dumps(results, indent=1))
-    name = method_of(c)
-    rows = {name: dict(results, flags=f"--method {name}" if name in METHODS else "custom")}
-    title = f"{c['dataset']}, T={c['tasks']}, {name}"
+    name, flags = describe(config)
+    title = f"{cfg.dataset}, T={cfg.tasks}, {flags}"
+    rows = {name: dict(results, flags=flags)}
     paths = [write_table(cfg.out, rows, title), *draw(cfg.out, RUN_FIGURES, rows, title)]
     print(f"wrote {os.path.join(cfg.out, 'results.json')} {' '.join(paths)}")
 
 
-def write_table(out, rows, title, missing=()):
-    """table.md: each row's metrics, the mean ± the sample std over the seeds it names, and what
-    each metric is."""
-    lines = [f"# {title}" + (f" (not finished, left out: {', '.join(missing)})" * bool(missing)),
-             "", "| row | flags | seeds | " + " | ".join(METRICS) + " |",
+def write_table(out, rows, title):
+    """table.md: each row's metrics over its seeds (mean ± sample std), and what each metric is."""
+    lines = [f"# {title}", "", "| row | flags | seeds | " + " | ".join(METRICS) + " |",
              "|---" * (len(METRICS) + 3) + "|"]
     for name, row in rows.items():
-        seeds = " ".join(str(r["seed"]) for r in row["runs"])
-        cells = [name, f"`{row['flags'] or '(none)'}`", seeds]
+        cells = [name, f"`{row['flags'] or '(none)'}`", " ".join(str(r["seed"]) for r in row["runs"])]
         for metric, s in summarize(row["runs"]).items():
             spec = METRICS[metric][1]
-            std = "" if s["std"] is None else f" ± {s['std']:{spec}}"
-            cells.append(fmt(s["mean"], spec) + std)
+            cells.append(fmt(s["mean"], spec) + ("" if s["std"] is None else f" ± {s['std']:{spec}}"))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Each cell: the mean ± the sample std over the row's seeds (n - 1)."]
     lines += [f"- {name}: {meaning}." for name, (_, _, meaning) in METRICS.items()]
@@ -1324,7 +1330,8 @@ def write_table(out, rows, title, missing=()):
     return os.path.join(out, "table.md")
 
 
-# ---- The paper's figures, from rows {name: {"flags", "config", "runs"}}: a run is one row --------
+# ---- The paper's figures, from rows {name: {"flags", "config", "runs"}} (a run is one row); a
+# row's colour is its place among the rows ---------------------------------------------------------
 def draw(out, figures, rows, title):
     """Each figure {file: (the paper's figure, its function)} of the rows into out."""
     try:
@@ -1345,10 +1352,10 @@ def draw(out, figures, rows, title):
 
 def plot_trajectories(fig, rows):
     """Fig. 5: each row's mean accuracy on the tasks seen after each task, task-agnostic (the
-    paper's) and task-aware, the mean over its seeds in a band of ± their sample std; beside it
-    Fig. 2 on real inputs: the change of the past tasks' K/V outputs (filled) and of the current
-    task's (hatched), on a log scale, as they differ by orders of magnitude (no bar: no change)."""
+    paper's) and task-aware, on one y axis, the mean over its seeds in a band of ± their sample
+    std. Beside it, each row's past change (filled) and current change (hatched), from 0."""
     *axes, bars = fig.subplots(1, 3, width_ratios=(3, 3, 2))
+    axes[1].sharey(axes[0])
     for i, (name, row) in enumerate(rows.items()):
         for ax, key in zip(axes, ("acc_matrix", "task_aware")):
             seen = torch.tensor([[sum(a) / len(a) for a in r[key]] for r in row["runs"]])
@@ -1358,48 +1365,64 @@ def plot_trajectories(fig, rows):
                 ax.fill_between(x, m - seen.std(0), m + seen.std(0), color=f"C{i % 10}", alpha=0.2)
             ax.set(xlabel="after task", xticks=x, ylabel="mean accuracy on the tasks seen (%)")
         change = [summarize(row["runs"])[k]["mean"] for k in ("past change", "current change")]
-        bars.bar([i - 0.2, i + 0.2], [nan(c or None) for c in change], 0.4, color=f"C{i % 10}",
-                 hatch=["", "//"], edgecolor="k")
+        drawn = bars.bar([i - 0.2, i + 0.2], [c or 0 for c in change], 0.4, color=f"C{i % 10}",
+                         hatch=["", "//"], edgecolor="k")
+        bars.bar_label(drawn, [fmt(c, ".2g") for c in change], fontsize=7, rotation=90, padding=2)
     axes[0].set_title("task-agnostic (the paper's): the argmax over all heads", fontsize=9)
     axes[1].set_title("task-aware (ours): the true task's head", fontsize=9)
-    bars.set(yscale="log", ylabel="RMS change of the K/V outputs")
+    top = max(h.get_height() for h in bars.patches)
+    bars.set(ylabel="RMS change of the K/V outputs per token", ylim=(0, 1.4 * top or 1))
+    if not top:  # every change 0 (a frozen backbone), or none (measured from task 2 on)
+        said = "0: no change" if fmt(change[0]) != "-" else "measured from task 2 on"
+        bars.text(0.5, 0.5, said, ha="center", transform=bars.transAxes)
     bars.set_xticks(range(len(rows)), list(rows), rotation=20)  # level, long names would meet
-    bars.set_title("Fig. 2 on real inputs: the past tasks'\n(filled), the current task's (hatched)",
+    bars.set_title("past change (filled; Fig. 2's violation)\nand current change (hatched)",
                    fontsize=9)
 
 
 def plot_analyses(fig, rows):
-    """Figs. 2 and 3 of a run's first seed: per block, the share of each task's K and V update on
-    the memory, ||dW M|| / ||dW||, the mean over tasks 2..T; and the last task's test images by
-    their cosine to the nearest old class's prototype and to their own class's."""
-    r = next(iter(rows.values()))["runs"][0]
+    """Figs. 2 and 3 of a run, over all its seeds: per block, the past change of its K layer and
+    of its V layer, the mean over tasks 2..T; and the last task's test images by their cosine to
+    the nearest old class's prototype and to their own class's."""
+    runs = next(iter(rows.values()))["runs"]
     *kv, angular = fig.subplots(1, 3)
-    for ax, n, colour in zip(kv, "kv", ("C0", "C1")):
-        means = [mean(block) for block in zip(*r["on_memory"][n])]
-        ax.bar(range(len(means)), [nan(m) for m in means], color=colour)
-        ax.set(xlabel="block", ylabel="||dW M|| / ||dW||", title=f"Fig. 2, {n.upper()} (no bar: "
-               "no memory)")
-    for t, g in [(t, g) for t, g in enumerate(r["geometry"], 1) if g][-1:]:  # none in task 1
-        angular.scatter(g["cos_old"], g["cos_own"], s=6, alpha=0.5, label=f"task {t}'s images")
-        angular.axvline(0.5, color="r", ls="--", label=f"danger (cos_old > 0.5): {g['danger']:.3f}")
+    kv[1].sharey(kv[0])
+    for j, ax in enumerate(kv):  # the layers j, j + 2, ...: K (j = 0) or V (j = 1) of each block
+        changes = [i["past"][j::2] for r in runs for i in r["interference"] if i]
+        heights = [mean(b) for b in zip(*changes)]
+        ax.bar(range(len(heights)), heights)
+        ax.set(xlabel="block", ylabel="past change (RMS per token)", ylim=(0, max(heights or [0])
+                                                                           * 1.1 or 1))
+        ax.set_title(f"Fig. 2, {'KV'[j]}: past change, mean over tasks 2..T", fontsize=9)
+        if not any(heights):
+            ax.text(0.5, 0.5, "no past task" if not changes else "0: no change", ha="center",
+                    transform=ax.transAxes)
+    last = [(r["seed"], r["geometry"][-1]) for r in runs if r["geometry"][-1]]
+    for _, g in last:
+        angular.scatter(g["cos_old"], g["cos_own"], s=6, alpha=0.5, color="C0")
+    danger = mean([100 * g["danger"] for _, g in last])
+    angular.axvline(0.5, color="r", ls="--")
+    angular.text(0.51, 0.02, f"danger zone, cos_old > 0.5:\n{fmt(danger, '.1f')}% of the images"
+                 if last else "no old class in task 1", color="r", fontsize=8,
+                 transform=angular.get_xaxis_transform())
     angular.set(xlabel="cos_old: to the nearest old prototype", ylabel="cos_own: to its own",
-                title="Fig. 3: the last task's test images")
+                xlim=(min([0.4] + [min(g["cos_old"]) for _, g in last]), 1.0))
+    angular.set_title(f"Fig. 3: the last task's test images, seeds "
+                      f"{' '.join(str(s) for s, _ in last) or '-'}", fontsize=9)
 
 
 def plot_gr_plugin(fig, rows):
-    """Fig. 6: ACC, MAA and BWT of each row (before GR, then after), the mean over its seeds, ±
-    their sample std, its value above it."""
+    """Fig. 6: ACC, MAA and BWT of each row (before GR, then after), mean ± sample std."""
     for ax, metric in zip(fig.subplots(1, 3), ("ACC", "MAA", "BWT")):
         stats = [summarize(row["runs"])[metric] for row in rows.values()]
         bars = ax.bar(list(rows), [nan(s["mean"]) for s in stats], capsize=4,
-                      yerr=[s["std"] or 0 for s in stats], color=["C0", "C1"])
+                      yerr=[s["std"] or 0 for s in stats], color=[f"C{i}" for i in range(len(rows))])
         ax.bar_label(bars, [fmt(s["mean"]) for s in stats], padding=3)
         ax.set(title=metric, ylabel="points (< 0: forgetting)" if metric == "BWT" else "%")
 
 
 def plot_sweep(fig, rows):
-    """Fig. 4a, 4b and the appendix's lambda figure: ACC and MAA, and BWT, over the value that the
-    rows sweep, the mean over the seeds with ± their sample std as error bars."""
+    """Figs. 4a, 4b and 8: ACC, MAA and BWT over the swept value, mean ± sample std."""
     key = next(iter(parse(next(iter(rows.values()))["flags"].split())[1]))  # the row's one flag
     x = [row["config"][key] for row in rows.values()]
     stats = [summarize(row["runs"]) for row in rows.values()]
@@ -1411,8 +1434,7 @@ def plot_sweep(fig, rows):
 
 
 def plot_efficiency(fig, rows):
-    """The appendix's efficiency figures: each row's training time per task, the cumulative time
-    and each epoch's throughput over the run, the mean over its seeds."""
+    """Figs. 9-11: each row's time per task, cumulative time and throughput, over its seeds."""
     axes = fig.subplots(1, 3)
     for i, (name, row) in enumerate(rows.items()):
         seconds = torch.tensor([r["task_seconds"] for r in row["runs"]]).mean(0)  # (T,)
@@ -1420,10 +1442,10 @@ def plot_efficiency(fig, rows):
         for ax, y in zip(axes, (seconds, seconds.cumsum(0), speeds)):
             ax.plot(range(1, len(y) + 1), y, f"{'osD^v<>ph*'[i % 10]}-C{i % 10}", mfc="none",
                     label=name)
-    labels = [("training time per task", "task", "s"), ("cumulative training time", "task", "s"),
-              ("throughput", "epoch of the run", "images / s")]
-    for ax, (title, x, y) in zip(axes, labels):
-        ax.set(title=title, xlabel=x, ylabel=y)
+    for ax, title, x, y in zip(axes, ("Fig. 9: training time per task", "Fig. 10: cumulative "
+                                      "training time", "Fig. 11: throughput"),
+                               ("task", "task", "epoch of the run"), ("s", "s", "images / s")):
+        ax.set(title=title, xlabel=x, ylabel=y, ylim=(0, None))
 
 
 def nan(value):
@@ -1431,15 +1453,15 @@ def nan(value):
     return math.nan if value is None else value
 
 
-FIG5 = {"trajectories.png": ("Fig. 5: the mean accuracy on the tasks seen; Fig. 2 on real inputs",
-                             plot_trajectories)}
-RUN_FIGURES = {**FIG5, "analyses.png": ("Figs. 2 and 3: the null-space violation and DML's "
-                                        "geometric effect", plot_analyses)}
+FIG5 = {"trajectories.png": ("Fig. 5: the mean accuracy on the tasks seen, and Fig. 2's past "
+                             "change", plot_trajectories)}
+RUN_FIGURES = {**FIG5, "analyses.png": ("Figs. 2 and 3: the null-space violation per block, and "
+                                        "DML's geometric effect", plot_analyses)}
+EFFICIENCY = {"efficiency.png": ("the appendix's Figs. 9-11: the time per task, the cumulative "
+                                 "time, the throughput", plot_efficiency)}
 
 
 # ---- --reproduce: every row of a table or figure of the paper, in one command --------------------
-EFFICIENCY = {"efficiency.png": ("the appendix's Figs. 9-11: the time per task, the cumulative "
-                                 "time, the throughput", plot_efficiency)}
 # NAME: (what it reproduces, {row: its flags}, its figures)
 REPRODUCE = {
     "demo": ("the quick start (ours): Janus-LoRA beside the frozen backbone and Fine-Tuning",
@@ -1474,25 +1496,36 @@ REPRODUCE = {
 def reproduce(cfg, argv):
     """Each row into OUT/<row>/ with the flags typed and its own; the seeds that other processes
     run are theirs, so that the jobs of an array share the rows. Then table.md and the figures
-    of the rows done, whichever jobs ran them."""
+    of the rows done, whichever jobs ran them, naming the rows not finished."""
     what, rows, figures = REPRODUCE[cfg.reproduce]
-    print(f"--reproduce {cfg.reproduce}: {what}; into {cfg.out}")
+    typed = parse(argv)[1]  # with the flags that a typed --method sets
+    typed = {**parse(METHODS[typed["method"]][0].split())[1], **typed} if "method" in typed else typed
+    if set_by := sorted({k for flags in rows.values() for k in parse(flags.split())[1]} & {*typed}):
+        raise RunError(f"{', '.join(map(flag, set_by))}: set by the rows of --reproduce "
+                       f"{cfg.reproduce}: leave it out")
     argv = [a for i, a in enumerate(argv) if a not in ("--dry-run", "--row")  # a row's command:
             and not a.startswith("--row=") and argv[i - 1:i] != ["--row"]]  # the set's, its row
+    cfgs = {row: replace(configure(argv + flags.split()), reproduce=None,
+                         out=os.path.join(cfg.out, row)) for row, flags in rows.items()}
+    print(f"--reproduce {cfg.reproduce}: {what}; into {cfg.out}")
+    if not (cfg.dry_run or claimed(cfg.out, cfg.reproduce)):  # the set's folder: rows, no run
+        os.makedirs(cfg.out, exist_ok=True)
+        written(os.path.join(cfg.out, "config.json"), json.dumps({"reproduce": cfg.reproduce}))
     for row in [cfg.row] if cfg.row else rows:
         print(f"{row} ({rows[row] or 'no flag'}): {command(argv + ['--row', row])}", flush=True)
         if not cfg.dry_run:
-            run(replace(configure(argv + rows[row].split()), reproduce=None,
-                        out=os.path.join(cfg.out, row)))
-    ends = {} if cfg.dry_run else {row: finished(os.path.join(cfg.out, row)) for row in rows}
-    done = {row: {"flags": rows[row], "config": c, "runs": r} for row, (c, r) in ends.items() if r}
+            run(cfgs[row])
+    ends = {} if cfg.dry_run else {row: records(c, claimed(c.out)) for row, c in cfgs.items()}
+    done = {row: {"flags": rows[row], "config": asdict(cfgs[row]), "runs": r}
+            for row, r in ends.items() if r}
     if done:
+        missing = ", ".join(r for r in rows if r not in done)
         differ = len({tuple(r["seed"] for r in row["runs"]) for row in done.values()}) > 1
         title = (f"--reproduce {cfg.reproduce}: {what}; {cfg.dataset}, T={cfg.tasks}"
-                 + " (the rows' seeds differ)" * differ)
+                 + " (the rows' seeds differ)" * differ + f" (not finished: {missing})" * bool(
+                     missing))
         with locked(os.path.join(cfg.out, "lock"), wait=True):  # the last writer sees every row
-            paths = [write_table(cfg.out, done, title, [r for r in rows if r not in done]),
-                     *draw(cfg.out, figures, done, title)]
+            paths = [write_table(cfg.out, done, title), *draw(cfg.out, figures, done, title)]
         print(f"wrote {' '.join(paths)}")
     return 0
 
@@ -1512,8 +1545,10 @@ def benchmark(cfg):
     images = torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, device=cfg.device)
     y = torch.randint(0, classes, (cfg.batch_size,), device=cfg.device)
     steps, ms = {}, {name: [] for name in BENCHMARKED}
+    defaults = {k: getattr(Options, k) for flags, _ in METHODS.values() for k in parse(
+        flags.split())[1]}  # of the flags that a method sets, whatever --method was typed
     for name, method in BENCHMARKED.items():
-        vcfg = replace(cfg, **presets()[method])
+        vcfg = replace(cfg, **{**defaults, **parse(METHODS[method][0].split())[1]})
         learner = mid_run_learner(vcfg, backbone, m, classes)
         steps[name] = partial(train_step, learner, adam(learner, vcfg), images, y, vcfg)
         for _ in range(5):  # warm-up: the allocator, the kernels, Adam's state
@@ -1526,7 +1561,7 @@ def benchmark(cfg):
             sync(cfg.device)  # a step's time ends when its kernels do
             ms[name].append(1e3 * (time.perf_counter() - start))
     print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns per block, "
-          f"{precision(cfg)}, compiled {cfg.compile}, {cfg.steps} rounds:\n"
+          f"{machine(cfg)}, compiled {cfg.compile}, {cfg.steps} rounds:\n"
           "variant        ms/step  images/s  x plain (median)")
     for name, t in ms.items():
         ratio = statistics.median(a / p for a, p in zip(t, ms["plain"]))
@@ -1536,8 +1571,7 @@ def benchmark(cfg):
 
 
 def mid_run_learner(cfg, backbone, m, classes):
-    """A learner halfway through a run: a random memory of m columns per block, and V and A off
-    it, old prototypes, and the current task's head."""
+    """A learner at mid-run: a random memory of m columns, V and A off it, old prototypes."""
     learner = start_learner(cfg, 0, backbone)
     L, D = len(backbone.blocks), backbone.embed_dim
     if cfg.oe:
@@ -1545,21 +1579,21 @@ def mid_run_learner(cfg, backbone, m, classes):
         if learner.subspace is not None:  # GPM's memory comes with no OE basis
             learner.subspace.V = fresh_basis(learner.memory, cfg.k)
         for j, layer in enumerate(lora_layers(learner.model)):
-            layer.reset_(learner.memory[j // 2])
+            layer.reset_(learner.memory[j // 2] if cfg.lora_a == "off-memory" else None)
     prototypes = F.normalize(torch.randn(classes * (cfg.tasks // 2), D), dim=1)
     learner.prototypes = prototypes.to(cfg.device)
     start_task(learner, 0, [list(range(classes))], None, cfg)
     return learner
 
 
+# ---- main ----------------------------------------------------------------------------------------
 def sigterm(signum, frame):
     """SIGTERM, a scheduler's at a time limit or a pre-emption: it stops the run as Ctrl-C does."""
     raise KeyboardInterrupt(signum)
 
 
 class Unbroken:
-    """Standard output that a reader who has gone (| head) cannot break: what comes after goes to
-    os.devnull, and the run goes on. Its other attributes are the stream's own."""
+    """Standard output that a reader who has gone (| head) cannot break: the run goes on."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -1578,16 +1612,13 @@ class Unbroken:
 
 
 def command(argv):
-    """The command line that runs this program with argv, as it was started: python
-    path/to/janus_min.py, or python -m janus_min."""
+    """The command that runs this program with argv, as it was started (a path, or -m)."""
     return shlex.join(sys.orig_argv[:len(sys.orig_argv) - len(sys.argv) + 1] + argv)
 
 
-# A file or folder that cannot be written: what to do, by the system's reason (main says the rest).
-AGAIN = "then run the same command: the run goes on after its last saved task"
-CANNOT_WRITE = {errno.ENOSPC: f"free some space, {AGAIN}", errno.EDQUOT: f"free some of the "
-                f"quota, {AGAIN}", errno.EFBIG: f"raise the limit on a file's size (ulimit -f), "
-                f"{AGAIN}"}
+# A file or folder that cannot be written: what to do, by the system's reason.
+CANNOT_WRITE = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some of the quota",
+                errno.EFBIG: "raise the limit on a file's size (ulimit -f)"}
 
 
 def main(argv=None):
@@ -1596,6 +1627,8 @@ def main(argv=None):
     Any other error is a bug, and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     handler = signal.signal(signal.SIGTERM, sigterm)
+    for stream in (sys.stdout, sys.stderr):  # a locale without "±": "\xb1" in its place
+        getattr(stream, "reconfigure", lambda **kw: None)(errors="backslashreplace")
     stdout, sys.stdout = sys.stdout, Unbroken(sys.stdout)
     try:
         cfg = configure(argv)
@@ -1606,7 +1639,9 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the run's folder or files: the rest are the data's and the weights'
-        fix = CANNOT_WRITE.get(e.errno, "choose another --out, or make this one writable")
+        fix = CANNOT_WRITE.get(e.errno)
+        fix = f"{fix}, then run the same command: the run goes on after its last saved task" if \
+            fix else "choose another --out, or make this one writable"
         print(f"error: cannot write {e.filename}: {e.strerror}: {fix}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import typing
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -1206,7 +1207,7 @@ def test_share_on_memory_subspace_error_and_dml_geometry_on_hand_built_cases():
     g = jm.dml_geometry(z, torch.tensor([2, 2, 2]), torch.eye(3), old=2)  # classes 0, 1: old
     assert g["cos_old"] == pytest.approx([0.62, 0.15, 0.93], abs=1e-4)
     assert g["cos_own"] == pytest.approx([0.7846, 0.9887, 0.3676], abs=1e-4)
-    assert (g["danger"], g["safe"], g["closer_to_old"]) == pytest.approx((2 / 3, 1 / 3, 1 / 3))
+    assert g["danger"] == pytest.approx(2 / 3)
     expected = [0.0] * 20
     for c in (0.62, 0.15, 0.93):  # bins of 0.1 over [-1, 1]
         expected[int((c + 1) / 0.1)] += 1 / 3
@@ -1229,17 +1230,6 @@ def test_rectify_updates_matches_the_dense_reference():
     rA, rB = jm.least_norm_split(*rectify(target, A0, B0, s, 1e-4), A0, B0)
     jm.rectify_updates_([layer], [(A0, B0)], [M], 1e-4)
     assert rel(layer.A.detach() - A0, rA) < 1e-10 and rel(layer.B.detach() - B0, rB) < 1e-10
-
-
-def test_lr_schedule_follows_the_inflora_codebase():
-    """InfLoRA's CosineSchedule as its code steps it; K = 1: one epoch; cosine: a half cosine."""
-    K = 20
-    codebase = [1.0] + [math.cos(99 * math.pi * e / (200 * (K - 1))) for e in range(K - 1)]
-    assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(codebase)
-    assert sum(codebase) / K == pytest.approx(0.685, abs=1e-3) and codebase[-1] > 0.09
-    assert [jm.lr_factor(e, 1, "inflora") for e in range(2)] == [1.0, 1.0]
-    half = [1, 0.8536, 0.5, 0.1464]
-    assert [jm.lr_factor(e, 4, "cosine") for e in range(4)] == pytest.approx(half, abs=1e-4)
 
 
 def _planted_covariance(eigenvalues, seed):
@@ -1770,8 +1760,9 @@ def test_each_update_on_the_rare_batches_of_a_run_is_its_definitions(rare_run):
     for s in steps:
         assert s["loss"] == pytest.approx(s["expected"], rel=1e-5)
         # float32's round-off: autograd's sums over the tokens, and the float32 X V of OE, which
-        # one image's tokens, close to low-rank, grow
-        assert max(s["safe"]) < 1e-3 and max(s["gr"]) < 1e-6 and max(s["oe"]) < 1e-2, s
+        # one image's tokens, close to low-rank, grow; GR's float64 result, rounded to float32
+        assert max(s["safe"]) < 1e-3 and max(s["oe"]) < 1e-2, s
+        assert max(s["gr"]) < 2 * torch.finfo(torch.float32).eps, s
     torch.manual_seed(0)
     z, old = torch.randn(5, 8, requires_grad=True), F.normalize(torch.randn(3, 8), dim=1)
     for y in ([2, 2, 2, 2, 2], [4], [0, 3, 3, 0, 4]):  # one class; one image; classes missing
@@ -1950,9 +1941,10 @@ def test_end_to_end_results_lr_memory_and_learning(tiny_run):
     """Consistent results (fp32 on CPU); the schedule's lr; each block's memory; tasks learned;
     a line per epoch and per task, naming its numbers."""
     res, log = tiny_run["res"], tiny_run["log"]
-    assert tiny_run["code"] == 0 and set(res) == {"config", "environment", "runs", "summary"}
-    assert res["environment"]["precision"] == "cpu fp32"  # what ran: autocast is CUDA's only
+    assert tiny_run["code"] == 0 and set(res) == {"config", "runs", "summary"}
     r, A = res["runs"][0], res["runs"][0]["acc_matrix"]
+    where = f"cpu ({torch.get_num_threads()} threads) fp32, torch {torch.__version__}"
+    assert r["trained_on"] == [where] * 3  # each task's machine: autocast is CUDA's only
     assert [len(row) for row in A] == [1, 2, 3]
     assert res["summary"]["ACC"] == {"mean": r["metrics"]["ACC"], "std": None}  # one seed
     aware = r["task_aware"]  # right whenever the argmax over all seen classes is
@@ -1972,7 +1964,7 @@ def test_end_to_end_results_lr_memory_and_learning(tiny_run):
                           r"epoch\(s\) of 288 images\), and at most .* more for 480 images without "
                           "gradients", log, re.M)) == 1
     steps = len(tiny_run["lr"]) // 6  # 3 tasks x 2 epochs
-    assert tiny_run["lr"] == pytest.approx([5e-3 * jm.lr_factor(e, 2, "inflora") for _ in range(3)
+    assert tiny_run["lr"] == pytest.approx([5e-3 * jm.lr_factor(e, 2) for _ in range(3)
                                             for e in range(2) for _ in range(steps)])
     assert len(tiny_run["protected"]) == 6 * steps and all(tiny_run["protected"])
     assert max(tiny_run["leak"]) < 1e-5  # OE's V stays off the memory M, at every step
@@ -2056,8 +2048,8 @@ def _same_records(a, b):
 
 
 def _tasks_done(folder, seed=0):  # the tasks that a seed's state holds
-    state = jm.read_state(jm.seed_file(folder, seed))
-    return len(state["record"]["acc_matrix"]) if state else 0
+    path = Path(jm.seed_file(folder, seed))
+    return len(torch.load(path, weights_only=True)["record"]["acc_matrix"]) if path.exists() else 0
 
 
 @pytest.fixture(scope="module")
@@ -2124,22 +2116,57 @@ def test_sigkill_and_sigterm_then_the_same_command_give_the_same_numbers(
     assert _same_records(_results(folder)["runs"][0], short_run["res"]["runs"][0])
 
 
-def test_another_configuration_is_refused_and_the_machines_flags_and_more_seeds_are_taken(
+def test_a_folder_holds_one_configuration_against_which_every_state_is_checked(
         short_run, tmp_path, monkeypatch, capsys, no_plots):
-    """A run's folder refuses a flag that changes results, in one line that names it; the
-    machine's flags, where the data lie and more seeds are taken (only the new seed trains); a
-    state written before a flag existed reads its default."""
-    folder = tmp_path / "run"
+    """config.json, written once a run has loaded its backbone, fixes the folder's flags and its
+    backbone's content; each state is checked against it before it is continued or counted. Each
+    of these is refused in one line: another flag; another backbone under the same file name; a
+    state of other flags, of another seed than its name's, of another version. The machine's
+    flags, the data's folder and more seeds are taken; a flag added since takes its default."""
+    folder, backbones = tmp_path / "run", tmp_path / "backbones"
+
+    def refused(argv, said, out=folder):
+        assert jm.main(argv + ["--out", str(out)] * ("--resume" not in argv)) == 2
+        assert capsys.readouterr().err == f"error: {said}\n"
     shutil.copytree(short_run["out"], folder)
-    for argv, said in ((_without(SHORT, "--lr") + ["--lr", "1e-3", "--out", str(folder)],
-                        "--lr 0.005 (not 0.001)"),
-                       (["--resume", str(folder), "--epochs", "3", "--k", "4"],
-                        "--k 8 (not 4), --epochs 1 (not 3)")):
-        assert jm.main(argv) == 2
-        assert capsys.readouterr().err == (f"error: {folder} holds a run of {said}: choose "
-                                           "another --out\n")
+    holds = f"{folder} holds a run of"
+    refused(_without(SHORT, "--lr") + ["--lr", "1e-3"], f"{holds} --lr 0.005 (not 0.001): choose "
+            "another --out")
+    refused(["--resume", str(folder), "--epochs", "3", "--k", "4"], f"{holds} --k 8 (not 4), "
+            "--epochs 1 (not 3): choose another --out")
+    jm.claim(jm.configure(SHORT + ["--out", str(tmp_path / "claimed")]), "a digest")  # a job's
+    refused(_without(SHORT, "--lr") + ["--lr", "1e-3"], f"{tmp_path / 'claimed'} holds a run "
+            "of --lr 0.005 (not 0.001): choose another --out", tmp_path / "claimed")
+    for name in "ab":  # two backbones of one file name, vit.pt: a run stopped after task 1 on a
+        torch.manual_seed(ord(name))
+        (backbones / name).mkdir(parents=True)
+        torch.save(vit.PRESETS["vit_tiny"](img_size=16, patch_size=8).state_dict(),
+                   backbones / name / "vit.pt")
+    with ctrl_c_at_task(2):
+        assert jm.main(SHORT + ["--weights", str(backbones / "a/vit.pt"), "--out",
+                                str(tmp_path / "ab")]) == 130
+    capsys.readouterr()
+    refused(SHORT + ["--weights", str(backbones / "b/vit.pt")], f"{tmp_path / 'ab'} holds a run of "
+            "another backbone: choose another --out", tmp_path / "ab")
     state = torch.load(jm.seed_file(folder, 0), weights_only=True)
-    del state["config"]["tau"]  # as if --tau came later
+    for path, options, said in (
+            ("seed1.pt", dict(state["options"], lr=1e-3), "is a state of --lr 0.001 (not 0.005)"),
+            ("seed07.pt", state["options"], "holds seed 0"),
+            ("seed0.pt", dict(state["options"], foo=1), "is a state of another version of "
+             "janus_min.py (foo)")):
+        seed = int(path[4:-3]) if path == "seed1.pt" else 0  # the seed that the state holds
+        torch.save(dict(state, options=options, record=dict(state["record"], seed=seed)),
+                   folder / path)
+        refused(SHORT, f"{folder / path} {said}: move it away")
+        (folder / path).unlink()
+    claim = json.loads((folder / "config.json").read_text())
+    claim["options"]["foo"] = 1
+    (folder / "config.json").write_text(json.dumps(claim))
+    refused(SHORT, f"{holds} another version of janus_min.py (foo): choose another --out")
+    refused(["--resume", str(folder)], f"{holds} another version of janus_min.py (foo): continue it "
+            "with that version")
+    del claim["options"]["foo"], claim["options"]["tau"], state["options"]["tau"]  # added since
+    (folder / "config.json").write_text(json.dumps(claim))
     torch.save(state, jm.seed_file(folder, 0))
     trained, real = [], jm.run_seed
     monkeypatch.setattr(jm, "run_seed", lambda learner, record, *args: trained.append(
@@ -2152,16 +2179,23 @@ def test_another_configuration_is_refused_and_the_machines_flags_and_more_seeds_
     assert _same_records(res["runs"][0], short_run["res"]["runs"][0])
 
 
-def test_a_finished_seed_keeps_its_learner_which_gives_its_last_accuracies(short_run):
-    """As the README loads it: a finished seed's state rebuilds its learner, whose evaluation of
-    the test images is the run's last row of accuracies."""
-    state = torch.load(jm.seed_file(short_run["out"], 0), map_location="cpu", weights_only=True)
-    cfg = jm.Options(**state["config"])
-    learner = jm.start_learner(cfg, 0, jm.build_model(cfg))
-    jm.restore(learner, state)
+def test_a_finished_seed_keeps_its_learner_and_the_readmes_snippet_loads_it(
+        short_run, tmp_path, monkeypatch):
+    """The README's snippet, run as written in a folder where --reproduce demo ran (its rows in
+    runs/<set>/<row>/): the learner it loads from a finished seed's state evaluates the test
+    images to that run's last row of accuracies."""
+    learner, cfg = jm.load_learner(jm.seed_file(short_run["out"], 0))
     splits = data.load_dataset("synthetic", None, cfg.img_size, 0.0, 1.0)
     acc = jm.evaluate(learner, splits, data.task_classes(12, cfg.tasks), cfg)[0]
     assert acc == short_run["res"]["runs"][0]["acc_matrix"][-1]
+    snippet = re.search(r"```python\n(.*?)```", (Path(jm.__file__).parent / "README.md").read_text(),
+                        re.S)[1]
+    (tmp_path / "runs" / "demo-x").mkdir(parents=True)
+    shutil.copytree(short_run["out"], tmp_path / "runs" / "demo-x" / "janus")
+    monkeypatch.chdir(tmp_path)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(snippet, {})
+    assert out.getvalue().strip()
 
 
 HOLDER = """import fcntl, sys
@@ -2214,23 +2248,26 @@ def test_the_jobs_of_an_array_share_a_run_and_its_table_names_the_seeds_done(
     assert jm.main(SHORT + ["--seeds", "0", "--out", str(folder)]) == 0
     assert _seeds_of_rows(folder) == [("janus", "0 1")] and _results(folder)["config"]["seeds"] == [
         0, 1]
-    assert len(held) == 2 * (2 + 2) and all(held)  # per job: the states of 2 tasks, 2 outputs
+    assert len(held) == 1 + 2 * (2 + 2) and all(held)  # config.json; per job: 2 states, 2 outputs
     assert not any(_held(lock) for lock in folder.glob("*lock"))
 
 
 def test_a_sets_table_has_the_rows_that_other_jobs_ran_and_says_where_their_seeds_differ(
-        tmp_path, capsys, no_plots):
-    """Each job runs one row of a --reproduce set (--row, printed as typed once); the table after
-    the last has every row, each with its seeds, and says that they differ."""
-    argv = SHORT + ["--reproduce", "gr-plugin", "--out", str(tmp_path)]
+        tmp_path, capsys, monkeypatch):
+    """Each job runs one row of a --reproduce set (--row, printed as typed once); the table and
+    the figure after the first say which row is not finished; after the last, the table has every
+    row, each with its seeds, and says that they differ."""
+    argv, titles = SHORT + ["--reproduce", "gr-plugin", "--out", str(tmp_path)], []
+    monkeypatch.setattr(jm, "draw", lambda out, figures, rows, title: titles.append(title) or [])
     assert jm.main(argv + ["--row", "lora-gpm"]) == 0
-    assert "(not finished, left out: lora-gpm-gr)" in (tmp_path / "table.md").read_text()
+    assert titles[-1].endswith("(not finished: lora-gpm-gr)") and titles[-1] in (
+        tmp_path / "table.md").read_text()
     assert jm.main(argv + ["--row", "lora-gpm-gr", "--seeds", "1"]) == 0
     assert f"{shlex.join(argv + ['--seeds', '1', '--row', 'lora-gpm-gr'])}\n" in (
         capsys.readouterr().out)
     table = (tmp_path / "table.md").read_text()
     assert _seeds_of_rows(tmp_path) == [("lora-gpm", "0"), ("lora-gpm-gr", "1")]
-    assert "left out" not in table and table.startswith("# --reproduce gr-plugin") and (
+    assert "not finished" not in table and table.startswith("# --reproduce gr-plugin") and (
         "(the rows' seeds differ)" in table.splitlines()[0])
 
 
@@ -2251,12 +2288,12 @@ class Failing:  # a file whose writes stop half-way, as on a full disk
 
 def test_a_write_that_fails_half_way_leaves_every_file_whole_and_no_temporary_one(
         short_run, tmp_path, monkeypatch, capsys, no_plots):
-    """The k-th write of a run stops half-way: the state after task 2 (k = 2) or table.md, after
-    results.json (k = 4). The run stops in one line that names the file, the reason and what to
-    do; the file written before is whole and none is temporary; the same command then ends with
-    the numbers of a run never stopped."""
-    for k, name, whole in ((2, "seed0.pt", ["seed0.pt"]),
-                           (4, "table.md", ["results.json", "seed0.pt"])):
+    """The k-th write of a run stops half-way: after config.json, the state after task 2 (k = 3)
+    or table.md, after results.json (k = 5). The run stops in one line that names the file, the
+    reason and what to do; the files written before are whole and none is temporary; the same
+    command then ends with the numbers of a run never stopped."""
+    for k, name, whole in ((3, "seed0.pt", ["config.json", "seed0.pt"]),
+                           (5, "table.md", ["config.json", "results.json", "seed0.pt"])):
         folder, opened = tmp_path / str(k), []
 
         def failing(path, mode="r", *args, **kwargs):
@@ -2270,17 +2307,18 @@ def test_a_write_that_fails_half_way_leaves_every_file_whole_and_no_temporary_on
             f"error: cannot write {folder / name}: No space left on device: free some space, "
             "then run the same command: the run goes on after its last saved task\n")
         assert sorted(p.name for p in folder.iterdir() if not p.name.endswith("lock")) == whole
-        assert _tasks_done(folder) == min(k - 1, 2)  # the state of the tasks before, whole
+        assert _tasks_done(folder) == min(k - 2, 2)  # the state of the tasks before, whole
         if "results.json" in whole:
             assert _results(folder)["runs"][0]["seed"] == 0
-    assert jm.main(SHORT + ["--out", str(tmp_path / "2")]) == 0  # it stopped before task 2's save
-    assert _same_records(_results(tmp_path / "2")["runs"][0], short_run["res"]["runs"][0])
+    assert jm.main(SHORT + ["--out", str(tmp_path / "3")]) == 0  # it stopped before task 2's save
+    assert _same_records(_results(tmp_path / "3")["runs"][0], short_run["res"]["runs"][0])
 
 
 def test_a_closed_standard_output_costs_nothing_and_each_line_comes_after_its_save(
         short_run, tmp_path, monkeypatch):
     """A task's lines are written once its state is saved; when the reader of standard output
-    leaves (| head -2), the run goes on to its end, every task saved, its outputs written."""
+    leaves (| head -2), the run goes on to its end, every task saved, its outputs written. The
+    stream's encoding is ASCII, as a cluster's locale may make it: "±" is written as "\xb1"."""
     read, write = os.pipe()
     lines, reader = [], [read]
 
@@ -2293,8 +2331,8 @@ def test_a_closed_standard_output_costs_nothing_and_each_line_comes_after_its_sa
                 os.close(reader.pop())
             return super().write(b)
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(Head(write, "w")),
-                                                        line_buffering=True))
-    assert jm.main(SHORT + ["--out", str(tmp_path)]) == 0
+                                                        encoding="ascii", line_buffering=True))
+    assert jm.main(SHORT + ["--seeds", "0", "1", "--out", str(tmp_path)]) == 0  # "±" in its table
     assert _tasks_done(tmp_path) == 2 and len(lines) > 10  # it went on, and so did its lines
     assert _same_records(_results(tmp_path)["runs"][0], short_run["res"]["runs"][0])
 
@@ -2308,6 +2346,10 @@ def bad_files(tmp_path_factory):
         (d / name).mkdir()
         (d / name / "seed0.pt").write_bytes(state or b"")
     torch.save({"model": {}, "epoch": 3}, d / "foreign" / "seed0.pt")  # another program's
+    for name, claim in (("aset", {"reproduce": "demo"}),
+                        ("arun", {"options": dataclasses.asdict(jm.Options()), "backbone": ""})):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(claim))
     return d
 
 
@@ -2324,11 +2366,11 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "device": (TINY + ["--device", "gpu"], "--device gpu: Expected one of"),
     **({} if torch.cuda.is_available() else {"cuda": (TINY + ["--device", "cuda"],
                                                       "--device cuda: ")}),
-    "rank": (TINY + ["--rank", "500"], "--rank, --k: at most vit_tiny's width, 192"),
+    "rank": (TINY + ["--rank", "500"], "--rank: at most vit_tiny's width, 192"),
     "tasks": (TINY + ["--tasks", "5"], "--tasks 5 does not split 12 classes"),
     "img": (TINY + ["--img-size", "30"], "--img-size: a multiple of --patch-size"),
     "inflora": (TINY + ["--lora-a", "inflora"], "GR trains: add --no-gr"),
-    "rank 0": (TINY + ["--rank", "0"], "--rank 0 trains no adapter for GR to rectify: add --no-gr"),
+    "rank 0": (TINY + ["--rank", "0"], "--rank 0 trains no adapter for GR: add --no-gr"),
     "seeds": (TINY + ["--seeds", "1", "1"], "--seeds: name each seed once"),
     "row": (TINY + ["--reproduce", "k", "--row", "3"], "--row 3: not a row of --reproduce k (k25"),
     "dry-run": (TINY + ["--dry-run"], "--row and --dry-run go with --reproduce NAME"),
@@ -2337,14 +2379,26 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "weights": (CKPT + ["--weights", "{tmp}/junk.pth"], "junk.pth"),
     "name": (CKPT + ["--weights", "imagenet"], "--weights imagenet is neither a known name"),
     "data": (CIFAR + ["--data-dir", "{tmp}/nodata"], "--data-dir {tmp}/nodata: no such folder"),
-    "out": (TINY + ["--out", "{tmp}/afile/run"], "cannot write {tmp}/afile/run: Not a directory: "
-            "choose another --out"),
-    "out file": (TINY + ["--out", "{tmp}/afile"], "cannot write {tmp}/afile: File exists: "),
+    "out": (TINY + ["--out", "{tmp}/afile/run"], "cannot write {tmp}/afile/run/config.json: Not a "
+            "directory: choose another --out"),
+    "modes": (TINY + ["--benchmark", "--reproduce", "k"], "--benchmark and --reproduce: one at a"),
+    "steps": (TINY + ["--steps", "3"], "--steps goes with --benchmark"),
+    "seed": (TINY + ["--seeds", str(2**64 - 1)], "must be at least 0 and at most 4294967295"),
+    "tilde": (CIFAR + ["--data-dir=~/nodata"], f"--data-dir {os.path.expanduser('~')}/nodata: no"),
+    "set by rows": (TINY + ["--reproduce", "demo", "--method", "janus-update"], "--method: set by "
+                    "the rows of --reproduce demo: leave it out"),
+    "set on a run": (TINY + ["--reproduce", "demo", "--out", "{tmp}/arun"], "{tmp}/arun holds a run: "
+                     "run its own command"),
+    "run on a set": (TINY + ["--out", "{tmp}/aset"], "{tmp}/aset holds the rows of --reproduce "
+                     "demo, each a run in {tmp}/aset/<row>: run its own command"),
+    "resume a set": (["--resume", "{tmp}/aset"], "{tmp}/aset holds the rows of --reproduce demo"),
+    "resume out": (["--resume", "{tmp}/arun", "--out", "x"], "--resume continues the run in its "
+                   "folder: leave out --out"),
     "state": (TINY + ["--out", "{tmp}/damaged"], "{tmp}/damaged/seed0.pt is no seed's state of "
               "janus_min.py (RuntimeError): move it away"),
     "foreign": (TINY + ["--out", "{tmp}/foreign"], "{tmp}/foreign/seed0.pt is no seed's state of "
                 "janus_min.py (dict)"),
-    "resume": (["--resume", "{tmp}"], "--resume {tmp}: no seed's state (seed<N>.pt) in that")}
+    "resume": (["--resume", "{tmp}"], "--resume {tmp}: no run in that folder (no config.json)")}
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
@@ -2356,6 +2410,38 @@ def test_bad_input_gets_one_clear_line(case, bad_files, capsys):
     assert _exit(argv + out) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and said[0] in err, err
+
+
+def test_each_bound_that_a_refusal_names_takes_its_flag_at_it_and_refuses_it_past_it(capsys):
+    """Each number flag on its own, at each of its bounds and just past it: the least (LEAST, else 1
+    for an int and above 0 for a float), the most (MOST), the backbone's width (WIDE). At it, the
+    run is configured; past it, one line that names the flag, exit 2."""
+    width, tiny = vit.PRESETS["vit_tiny"].keywords["embed_dim"], 1e-9
+    needs = {"img_size": ["--patch-size", "1"], "steps": ["--benchmark"]}  # what else it needs
+    for f in dataclasses.fields(jm.Options):
+        kind, args = (typing.get_args(f.type) or (f.type,))[0], typing.get_args(f.type)
+        if kind not in (int, float) or f.type is bool:
+            continue
+        closed, least = kind is int or f.name in jm.LEAST, jm.LEAST.get(f.name, int(kind is int))
+        step = 1 if kind is int else tiny
+        bounds = [(least, least - step) if closed else (least + tiny, least)]
+        if (most := width if f.name in ("rank", "k") else jm.MOST.get(f.name)) is not None:
+            bounds.append((most, most + step))
+        n = len(args) if args and args[-1] is not Ellipsis else 1  # --gpm-threshold takes two
+        for at, past in bounds:
+            argv = TINY + ["--no-gr", "--out", "x", *needs.get(f.name, []), jm.flag(f.name)]
+            assert jm.configure(argv + [str(at)] * n), (f.name, at)
+            assert _exit(argv + [str(past)] * n) == 2, (f.name, past)
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and jm.flag(f.name) in err, (f.name, err)
+
+
+def test_a_start_that_fails_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """Offline, a run whose data set is to be downloaded stops in one line, and leaves neither its
+    run folder, nor a lock, nor an empty data folder."""
+    monkeypatch.chdir(tmp_path)
+    assert _exit(CIFAR + ["--data-dir", "data"]) == 2  # the default: made for a download
+    assert "cifar-100-python.tar.gz" in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
 def test_other_errors_keep_their_traceback(tmp_path, monkeypatch):
@@ -2400,7 +2486,7 @@ def test_each_metric_is_its_definition_and_the_summary_and_table_report_it(tmp_p
         "ACC": (60 + 65 + 50) / 3, "MAA": (90 + (80 + 70) / 2 + (60 + 65 + 50) / 3) / 3,
         "BWT": ((60 - 90) + (65 - 70)) / 2, "task-aware ACC": (88 + 80 + 77) / 3,
         "task-aware BWT": ((88 - 95) + (80 - 85)) / 2, "sample ACC": 58.5, "past change": 2.5,
-        "current change": 6.75, "on M": 0.45, "danger %": 37.5, "OE capture": 0.6, "OE sine": 0.2,
+        "current change": 6.75, "on M": 0.45, "danger %": 37.5, "OE capture": 0.6,
         "M width": 10.5, "s / task": 2.5})
     one_task = dict(record, acc_matrix=[[90.0]], task_aware=[[95.0]])
     assert jm.METRICS["BWT"][0](one_task) is None  # undefined with one task
@@ -2431,7 +2517,7 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
     rows are the paper's: Table 1's marks, the sweeps' values of Sec. 4 and the appendix."""
     base = ["--dataset", "imagenet-r", "--epochs", "3", "--device", "cpu"]
     janus = dataclasses.asdict(jm.configure(base))
-    keys = set(jm.presets()["janus"])  # the flags that the methods set
+    keys = {k for flags, _ in jm.METHODS.values() for k in jm.parse(flags.split())[1]}
 
     def switches(argv):
         cfg = dataclasses.asdict(jm.configure(base + argv))
@@ -2439,8 +2525,11 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
         return {k: cfg[k] for k in keys}
     for name, (flags, _) in jm.METHODS.items():  # each sets its own flags, and no other
         assert switches(["--method", name]) == {**switches([]), **jm.parse(flags.split())[1]}
-        assert jm.method_of({**janus, **switches(["--method", name])}) == name
+        assert jm.describe({**janus, **switches(["--method", name])}) == (
+            name, f"--method {name} --epochs 3")
         assert switches(["--method", name, "--no-dml"])["dml"] is False
+    assert [switches(["--method", m])["lora_a"] for m in ("finetune", "lora-gpm", "lora-gpm-gr")
+            ] == ["kaiming"] * 3  # each task's A drawn as the InfLoRA codebase draws it
     rows = {name: {row: jm.configure(base + flags.split()) for row, flags in r.items()}
             for name, (_, r, _) in jm.REPRODUCE.items()}
     assert [(c.oe, c.gr, c.dml) for c in rows["ablation"].values()] == TABLE_1
@@ -2449,10 +2538,14 @@ def test_presets_and_reproduce_rows_are_the_papers(capsys):
     assert [c.lambda_dml for c in rows["lambda"].values()] == [0.5, 1.0, 1.5, 2.0]
     assert [c.weights for c in rows["backbones"].values()] == ["in21k", "dino"]  # not SAM
     assert [(c.memory, c.epochs) for c in rows["oe-vs-gpm"].values()] == [("gpm", 1), ("tasks", 1)]
-    assert [jm.method_of(dataclasses.asdict(c)) for c in rows["methods"].values()] == [
+    assert [jm.describe(dataclasses.asdict(c))[0] for c in rows["methods"].values()] == [
         flags.split()[1] for flags in jm.REPRODUCE["methods"][1].values()]  # each a --method
-    assert [jm.method_of(dataclasses.asdict(c)) for c in rows["gr-plugin"].values()] == [
+    assert [jm.describe(dataclasses.asdict(c))[0] for c in rows["gr-plugin"].values()] == [
         "lora-gpm", "lora-gpm-gr"]  # Fig. 6: before GR, then after
+    assert jm.describe(dataclasses.asdict(jm.configure(base + ["--lr", "1e-3", "--no-oe", "--k",
+                                                               "7"]))) == ("janus", "--method "
+        "janus --no-oe --lr 0.001 --epochs 3")  # --k: read by OE alone, which is off
+    base = _without(base, "--epochs")  # which oe-vs-gpm's rows set: refused there
     for name, (_, r, _) in jm.REPRODUCE.items():  # --dry-run: each row's own command
         assert jm.main(base + ["--reproduce", name, "--dry-run"]) == 0
         printed = re.findall(r"^(\S+) \(.*\): (.*)$", capsys.readouterr().out, re.M)
@@ -2488,11 +2581,11 @@ def _rows(names, seeds=(0, 1), T=3, g=None):  # rows of 2 seeds, 3 tasks, 2 bloc
 
 def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
     """Fig. 5 (a line per row: the mean over its seeds of the mean accuracy on the tasks seen, in a
-    band of ± their sample std) with Fig. 2's output change beside it, Fig. 2 per block and Fig. 3
-    of a run, Fig. 6 (bars before and after GR), Fig. 4a (ACC, MAA, BWT over k, ± the sample
-    std) and the appendix's efficiency figures (the time per task, its sum, each epoch's
-    throughput, the means over the seeds): the drawn values are the rows'; the legend covers no
-    panel."""
+    band of ± their sample std; both panels on one y axis) with the past and current change beside
+    it, Fig. 2 per block and Fig. 3 of a run, Fig. 6 (bars before and after GR), Fig. 4a (ACC, MAA,
+    BWT over k, ± the sample std) and Figs. 9-11 (the time per task, its sum, each epoch's
+    throughput, the means over the seeds): the drawn values are the rows'; bars start at 0; a panel
+    with nothing to draw says why; the legend covers no panel."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
     drawn = {}
@@ -2500,7 +2593,11 @@ def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
         os.path.basename(path): fig}))
     sets = {name: _rows(jm.REPRODUCE[name][1])
             for name in ("methods", "gr-plugin", "k")}
-    jm.draw(str(tmp_path), jm.RUN_FIGURES, _rows({"janus": ""}, seeds=(3,)), "title")
+    jm.draw(str(tmp_path), jm.RUN_FIGURES, _rows({"janus": ""}, seeds=(3, 4), T=1), "title")
+    texts = {name: [t.get_text() for ax in fig.axes for t in ax.texts] for name, fig in drawn.items()}
+    assert texts == {"trajectories.png": ["-", "-", "measured from task 2 on"], "analyses.png": [
+        "no past task", "no past task", "no old class in task 1"]}  # one task: nothing past
+    jm.draw(str(tmp_path), jm.RUN_FIGURES, _rows({"janus": ""}, seeds=(3, 4)), "title")
     for name, rows in sets.items():  # the methods' trajectories.png after the run's
         jm.draw(str(tmp_path), jm.REPRODUCE[name][2], rows, "title")
     for fig in drawn.values():
@@ -2508,6 +2605,7 @@ def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
         assert not any(legend.get_window_extent().overlaps(ax.get_window_extent())
                        for legend in fig.legends for ax in fig.axes)
     *curves, bars = drawn["trajectories.png"].axes
+    assert curves[0].get_shared_y_axes().joined(*curves) and bars.get_ylim()[0] == 0
     for ax, key in zip(curves, ("acc_matrix", "task_aware")):
         for line, band, row in zip(ax.lines, ax.collections, sets["methods"].values()):
             seen = torch.tensor([[statistics.fmean(a) for a in r[key]] for r in row["runs"]])
@@ -2520,13 +2618,14 @@ def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
         jm.summarize(row["runs"])[k]["mean"] for row in sets["methods"].values()
         for k in ("past change", "current change")])
     *kv, angular = drawn["analyses.png"].axes
-    run = _rows({"janus": ""}, seeds=(3,))["janus"]["runs"][0]
-    for ax, n in zip(kv, "kv"):
-        assert [bar.get_height() for bar in ax.patches] == pytest.approx(
-            [statistics.fmean(block) for block in zip(*run["on_memory"][n][1:])])
-    assert np.ravel(angular.collections[0].get_offsets()).tolist() == pytest.approx(
-        [v for pair in zip(run["geometry"][-1]["cos_old"], run["geometry"][-1]["cos_own"])
-         for v in pair])
+    runs = _rows({"janus": ""}, seeds=(3, 4))["janus"]["runs"]
+    assert kv[0].get_shared_y_axes().joined(*kv) and kv[0].get_ylim()[0] == 0
+    for j, ax in enumerate(kv):  # K, then V: the layers j, j + 2, ... over the tasks and seeds
+        assert [bar.get_height() for bar in ax.patches] == pytest.approx([statistics.fmean(b) for b
+            in zip(*(i["past"][j::2] for r in runs for i in r["interference"] if i))])
+    assert [np.ravel(points.get_offsets()).tolist() for points in angular.collections] == [
+        pytest.approx([v for pair in zip(r["geometry"][-1]["cos_old"],
+                                         r["geometry"][-1]["cos_own"]) for v in pair]) for r in runs]
     for ax, metric in zip(drawn["gr_plugin.png"].axes, ("ACC", "MAA", "BWT")):
         stats = [jm.summarize(row["runs"])[metric] for row in sets["gr-plugin"].values()]
         assert [bar.get_height() for bar in ax.patches] == pytest.approx([s["mean"] for s in stats])
@@ -2640,7 +2739,7 @@ SMALL = _without(_without(TINY, "--img-size"), "--epochs") + [
 FLAGS = ["--dataset", "synthetic", "--model", "vit_tiny", "--tasks", "2", "--epochs", "2",
          "--batch-size", "8", "--img-size", "16", "--patch-size", "4", "--limit-per-class", "3",
          "--input-range", "half", "--rank", "3", "--lora-scale", "0.5", "--lr", "2e-3",
-         "--schedule", "cosine", "--k", "5", "--oe-lr", "0.7", "--oe-decay-steps", "3",
+         "--k", "5", "--oe-lr", "0.7", "--oe-decay-steps", "3",
          "--delta", "2e-3", "--margin", "0.25", "--lambda-dml", "1.5", "--tau", "0.09",
          "--rectify", "update", "--memory", "rolling", "--seeds", "3", "--device", "cpu",
          "--weights", "none", "--workers", "0"]  # other values than the defaults
@@ -2712,14 +2811,14 @@ def _watch(argv, stop_at=None):
     out = Path(argv[argv.index("--out") + 1])
     return dict(seen, argv=argv, code=code, log=log.getvalue(), out=out,
                 res=_results(out) if code == 0 else None,
-                cfg=jm.Options(**next(jm.states(out))["config"]))
+                cfg=jm.Options(**json.loads((out / "config.json").read_text())["options"]))
 
 
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory):  # four small runs: Janus-LoRA, InfLoRA, fine-tuning, other flags
     tmp = tmp_path_factory.mktemp("watched")
     runs = {"janus": SMALL, "finetune": SMALL + ["--method", "finetune"], "flags": FLAGS,
-            "inflora": SMALL + ["--method", "inflora", "--schedule", "cosine",
+            "inflora": SMALL + ["--method", "inflora",
                                 "--gpm-threshold", "0.9", "0.99"]}
     return {name: _watch(argv + ["--out", str(tmp / name)]) for name, argv in runs.items()}
 
@@ -2790,30 +2889,16 @@ def _codebase_cosine_schedule(K):
     return factors
 
 
-def _cosine_annealing(K):  # torch's CosineAnnealingLR(T_max=K), the codebase's other schedule
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    schedule, factors = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=K), []
-    for _ in range(K):
-        factors.append(opt.param_groups[0]["lr"])
-        opt.step()
-        schedule.step()
-    return factors
-
-
 def test_schedules_follow_the_inflora_codebase_at_every_task_and_epoch(watched):
-    """Each step's lr in every task and epoch, both schedules; lr_factor at every K up to 30 (one
-    epoch: the codebase divides by zero, we train at --lr); GPM's energy threshold of task t of T,
-    as methods/inflora.py's update_DualGPM: (lame - lamb) * cur_task / total_sessions + lamb."""
+    """Each step's lr in every task and epoch; lr_factor at every K up to 30 (one epoch: the
+    codebase divides by zero, we train at --lr); GPM's energy threshold of task t of T, as
+    methods/inflora.py's update_DualGPM: (lame - lamb) * cur_task / total_sessions + lamb."""
     for K in range(2, 31):
-        assert [jm.lr_factor(e, K, "inflora") for e in range(K)] == pytest.approx(
+        assert [jm.lr_factor(e, K) for e in range(K)] == pytest.approx(
             _codebase_cosine_schedule(K), rel=1e-12)
-    for K in range(1, 31):
-        assert [jm.lr_factor(e, K, "cosine") for e in range(K)] == pytest.approx(
-            _cosine_annealing(K), rel=1e-9, abs=1e-12)
-    assert jm.lr_factor(0, 1, "inflora") == 1.0
-    for run, codebase in (("janus", _codebase_cosine_schedule), ("inflora", _cosine_annealing),
-                          ("flags", _cosine_annealing)):
-        r = watched[run]
+    assert jm.lr_factor(0, 1) == 1.0
+    for run in ("janus", "inflora", "flags"):
+        r, codebase = watched[run], _codebase_cosine_schedule
         cfg = r["cfg"]
         steps = math.ceil(cfg.limit_per_class * (12 // cfg.tasks) / cfg.batch_size)  # an epoch's
         expected = [(t, [cfg.lr * f]) for t in range(cfg.tasks) for f in codebase(cfg.epochs)
@@ -2838,7 +2923,7 @@ def _continue_and_compare(ref, out, stop_at):
     assert len(states) == len(ref["states"]) == ref["cfg"].tasks
     for a, b in zip(ref["states"], states):
         for state in (a, b):
-            state["config"].pop("out")
+            state["options"].pop("out")
             [state["record"].pop(key) for key in times]
         assert _same(a, b)
     a, b = ref["res"]["runs"][0], then["res"]["runs"][0]
@@ -2899,8 +2984,8 @@ def test_each_task_adds_k_columns_to_the_memory_so_that_the_k_sweep_differs(tmp_
     """--reproduce k (Fig. 4a) in the small world: after task t each block's M has min(t k, D)
     columns, k = 25 to 100 of D = 192 (full after task 2 at k = 100): k is what a task protects,
     not a cap, and the rows' results differ."""
-    argv = _without(SMALL, "--epochs") + ["--epochs", "1", "--reproduce", "k", "--out",
-                                          str(tmp_path)]
+    argv = _without(_without(SMALL, "--epochs"), "--k") + ["--epochs", "1", "--reproduce", "k",
+                                                          "--out", str(tmp_path)]
     with _small_world(), contextlib.redirect_stdout(io.StringIO()):
         assert jm.main(argv) == 0
     runs = {int(row[1:]): _results(tmp_path / row)["runs"][0] for row in jm.REPRODUCE["k"][1]}

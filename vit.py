@@ -6,6 +6,7 @@ References: ViT (Dosovitskiy et al., ICLR 2021); AugReg (Steiner et al., TMLR 20
 et al., ICCV 2021); timm's layout (R. Wightman, github.com/huggingface/pytorch-image-models).
 """
 import functools
+import hashlib
 import math
 import os
 import re
@@ -163,6 +164,14 @@ def load_pretrained(model, source="in21k"):
     print(f"[vit] {path}: {container} file, {layout} key layout, {len(ready)} tensors loaded"
           f"{resized}, ignored checkpoint keys: {', '.join(ignored) or 'none'}")
     return path
+
+
+def digest(model):
+    """A hex digest of the model's tensors: a backbone known by its content, not by a file's name."""
+    h = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _resize_pos_embed(pos, grid):
