@@ -3,11 +3,11 @@ layers, kept stable by Online Estimation (OE) and Gradient Rectification (GR), a
 by the Decoupled Margin Loss (DML). Equations are numbered as in the paper's LaTeX source.
 
 How to read it. Part 1 reads top-down with the paper open: the notation, the settings (Config),
-one training step (train_step) and what it calls (LoRA with the safe gradient, DML, GR, OE), one
-task (start_task, train_task, end_task, evaluate), the metrics and the task loop (run_seed).
-Part 2 holds our variant of GR and the baselines, part 3 the paper's analyses, part 4 the
-program (flags, run folders, outputs, --reproduce, --benchmark, main), which parts 1-3 do not
-use. A run calls main -> run -> run_one -> run_seed.
+what a learner carries (Learner), one training step (train_step) and what it calls (LoRA with
+the safe gradient, DML, GR, OE), then the task loop (run_seed) and one task's start, training,
+end and evaluation, and the metrics. Part 2 holds our variant of GR and the baselines, part 3 the
+paper's analyses, part 4 the program (flags, run folders, outputs, --reproduce, --benchmark,
+main), which parts 1-3 do not use. A run calls main -> run -> run_one -> run_seed.
 
 Where the code departs from the paper's text, or fills a silence, the README's table "Where we
 depart from the paper's text" says what, why, and which flag returns to the paper's reading.
@@ -50,14 +50,14 @@ except ImportError:  # Windows: runs without the lock
 
 
 # ==== Part 1. The method (Sec. 3) and the task loop ===============================================
-# Notation, the paper's where it has one. A K or V layer maps its input x to x W^T, with
-# W = W0 + s B A (Eq. (1)): W0 (d_out, d_in) frozen, A (r, d_in) and B (d_out, r) trained, s the
-# LoRA scale. G = dL/dW is the loss's gradient with respect to W. The ViT has L blocks of D-wide
-# tokens; a block's K and V layers share their input, the block's K/V input. The block's memory
-# M (D, m) is an orthonormal basis of the finished tasks' K/V inputs: the directions that later
-# updates must leave alone (Fig. 1's "Basis Memory"). OE's basis V (D, k) is an orthonormal basis
-# of the current task's K/V inputs; it joins M at the task's end. "Off M" means orthogonal to
-# span(M): the part of X off M is X (I - M M^T).
+# Notation: the paper's, and ours for G, M and w. A K or V layer (key or value) maps its input x
+# to x W^T, W = W0 + s B A (Eq. (1)): W0 (d_out, d_in) frozen, A (r, d_in) and B (d_out, r)
+# trained, s the LoRA scale; in a ViT, d_in = d_out = D. G = dL/dW, L the loss (Eq. (12)'s
+# L_total). A block's K and V layers share their input, the K/V input; a batch's, X, has a row per
+# token. The block's memory M (D, w) is an orthonormal basis of the finished tasks' K/V inputs'
+# directions that later updates must leave alone (Fig. 1's "Basis Memory"). OE's basis V (D, k)
+# spans the k leading directions of the current task's K/V inputs, and joins M at the task's end
+# (the paper's V stands for all past tasks: README, departures). X off M is X (I - M M^T).
 
 @dataclass
 class Config:
@@ -72,22 +72,23 @@ class Config:
     tau: float = 0.07  # DML's temperature tau (Sec. 4.1)
     lambda_dml: float = 1.0  # DML's weight lambda in Eq. (12) (Sec. 4.1)
     delta: float = 1e-6  # GR's Tikhonov constant delta, Eqs. (6)-(7) (App. B; the value is ours)
-    oe: bool = True  # OE and the safe gradient (Table 1)
+    oe: bool = True  # the safe gradient and its memory: OE's, or GPM's (Table 1)
     gr: bool = True  # GR (Table 1)
     dml: bool = True  # DML (Table 1)
-    # OE's step on Eq. (8): Eq. (9)'s gradient step (plain), or one preconditioned by S^-1 (ours)
+    # OE's step on Eq. (8): Eq. (9)'s gradient step (plain), or one preconditioned (ours; the
+    # README's table of departures says why it is the default)
     oe_step: Literal["preconditioned", "plain"] = "preconditioned"
     oe_lr: float = 1.0  # OE's first step size per task (ours: the paper gives none)
-    oe_decay_steps: int = 5  # OE's step size halves after this many steps (ours)
-    # Each task's fresh A: off the memory M (Janus-LoRA's; ours), as LoRA draws it (the baselines'),
-    # or InfLoRA's, designed from the task's inputs and frozen
+    oe_decay_steps: int = 5  # OE's step size falls to half after this many steps (ours)
+    # Each task's fresh A: off the memory M (Janus-LoRA's here; the paper does not say), as LoRA and
+    # the InfLoRA codebase draw it (the baselines'), or InfLoRA's, designed from the task and frozen
     lora_a: Literal["off-memory", "kaiming", "inflora"] = "off-memory"
     # M: the finished tasks' OE bases (Fig. 1's Basis Memory), OE's current V (Sec. 3.2's words
     # read literally), or GPM's (LoRA-GPM, InfLoRA)
     memory: Literal["tasks", "rolling", "gpm"] = "tasks"
-    # GPM's energy share at task 1 and at task T (the InfLoRA codebase's: 0.95 1, ImageNet-R 0.98 1)
+    # GPM's energy share at task 1 and task T (default: InfLoRA's code's 0.95 1; ImageNet-R 0.98 1)
     gpm_threshold: tuple[float, float] = None
-    rectify: Literal["grad", "update"] = "grad"  # GR on Adam's gradients (Sec. 3) or step (ours)
+    rectify: Literal["grad", "update"] = "grad"  # GR on the gradients (Sec. 3) or the step (ours)
     # Training (Sec. 4.1, and the InfLoRA codebase's where the paper gives no value)
     lr: float = 5e-4  # Adam's learning rate (the InfLoRA codebase's)
     epochs: int = None  # epochs per task (Sec. 4.1: CIFAR-100 20, ImageNet-R 50)
@@ -113,22 +114,21 @@ class Config:
 
 @dataclass
 class Learner:
-    """What the method carries from one task to the next, saved with the run's state field by field
-    (part 4): a field added here needs no edit there."""
+    """What the method carries from one task to the next."""
     model: nn.Module  # the frozen ViT, whose K and V layers are LoRALinear
     heads: nn.ModuleList = field(default_factory=nn.ModuleList)  # a head per task; last: current
     subspace: "OnlineSubspace" = None  # OE's V of each block; None without OE or under GPM
-    memory: list = None  # each block's memory M (D, m)
+    memory: list = None  # each block's memory M (D, w)
     prototypes: torch.Tensor = None  # (old classes, D), unit rows: DML's old prototypes, C_past
 
 
 def train_step(learner, opt, images, y, cfg):
-    """One step of "The Integrated Janus-LoRA Update Process" (Sec. 3): the loss, its safe gradient,
-    GR, Adam's step, then OE's step, on images (B, 3, H, W) of labels y (B,) in the current head.
-    Returns the loss and the number right as tensors: reading them would make a GPU wait."""
+    """One step of "The Integrated Janus-LoRA Update Process" (end of Sec. 3) on n images (n, 3,
+    size, size) of labels y (n,) in the current head: the loss, its safe gradient, GR, Adam, OE.
+    Returns the loss and the number right, as tensors: reading them would make a GPU wait."""
     model, head = learner.model, learner.heads[-1]
-    # z (B, D) is the class token after the final LayerNorm, the heads' input; kv_inputs[i]
-    # (B, N + 1, D) is block i's K/V input, for OE. On CUDA: bf16 autocast (ours, --precision).
+    # z (n, D) is the class token after the final LayerNorm, the heads' input; kv_inputs[i]
+    # (n, 1 + patches, D) is block i's K/V input, for OE. On CUDA: bf16 autocast (ours).
     bf16 = images.is_cuda and cfg.precision == "bf16"
     with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):
         z, kv_inputs = model.encode(images)
@@ -139,12 +139,13 @@ def train_step(learner, opt, images, y, cfg):
     if cfg.dml:
         dml = dml_loss(z, y, learner.prototypes, cfg.margin, cfg.tau, head.out_features)
         loss = loss + cfg.lambda_dml * dml
-    # Theorem 3.1: the backward pass leaves in A.grad and B.grad the factor gradients of
-    # G_safe = G (I - M M^T) in place of G's (LoRALinear.forward shows how).
+    # Theorem 3.1, with M for the paper's X_past: the backward pass leaves in A.grad and B.grad
+    # the factor gradients of G_safe = G (I - M M^T), not those of G (LoRALinear.forward).
     opt.zero_grad(set_to_none=True)
     loss.backward()
     # GR, Eqs. (5)-(7): the factor gradients whose composite update best matches G_safe. Adam
-    # takes them, as Sec. 3 says; --rectify update (ours, part 2) rectifies Adam's step instead.
+    # takes them, as Sec. 3 says. Adam's per-coordinate scaling moves its step off the safe
+    # direction; --rectify update (ours, part 2) rectifies Adam's step instead.
     layers = lora_layers(model)
     if cfg.gr and cfg.rectify == "grad":
         rectify_gradients_(layers, cfg.delta)
@@ -163,8 +164,8 @@ def train_step(learner, opt, images, y, cfg):
 # ---- LoRA on K and V, and the safe gradient of Theorem 3.1 ---------------------------------------
 class LoRALinear(nn.Linear):
     """Eq. (1): a frozen linear layer W0 (a ViT's K or V) plus s B A. Its backward pass gives the
-    factor gradients of the safe gradient G_safe = G (I - M M^T) (Theorem 3.1, Eq. (3)), with no
-    d_out x d_in matrix formed. M (d_in, m) is its block's memory, set at each task's start."""
+    factor gradients of the safe gradient G_safe = G (I - M M^T) (Theorem 3.1, Eq. (3), with M for
+    X_past), with no d_out x d_in matrix formed. M (D, w) is its block's memory (start_task)."""
 
     def __init__(self, in_features, out_features, rank, scale):
         super().__init__(in_features, out_features)  # W0 and its bias: the checkpoint's
@@ -197,13 +198,13 @@ class LoRALinear(nn.Linear):
     @torch.no_grad()
     def reset_(self, M=None):
         """A fresh pair for a new task: B = 0, and A Kaiming-uniform as LoRA and the InfLoRA
-        codebase draw it; given M, A's rows are then moved off M (Janus-LoRA's A; ours)."""
+        codebase draw it; given M, A's rows are then moved off M (ours: see rectify_factors)."""
         # drawn on the CPU, so that a run's random numbers do not depend on the device
         if self.A.numel():  # rank 0: no adapter, nothing to draw
             self.A.copy_(nn.init.kaiming_uniform_(torch.empty(self.A.shape), a=math.sqrt(5)))
         if M is not None:
             M = M.to(self.A.dtype)
-            # A <- A (I - M M^T); exactly 0 under a full memory, leaving no round-off for GR
+            # A <- A (I - M M^T); exactly 0 under a full memory, not round-off that GR would grow
             self.A -= (self.A @ M) @ M.T
             if M.shape[1] == M.shape[0]:
                 self.A.zero_()
@@ -211,7 +212,8 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merge_(self):
-        """A task's end: W0 <- W0 + s B A, so that the deployed model is a plain ViT."""
+        """A task's end: W0 <- W0 + s B A (ours), so that each task starts a fresh pair and the
+        deployed model is a plain ViT, of the appendix's "identical deployment costs"."""
         self.weight += self.scale * (self.B @ self.A).to(self.weight.dtype)
 
 
@@ -222,33 +224,34 @@ def lora_layers(model):
 
 # ---- The Decoupled Margin Loss, Eq. (11) ---------------------------------------------------------
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
-    """Eq. (11) for features z (B, D) of classes y (B,) of the current task's num_classes, and the
-    old prototypes (P, D), unit rows. The current prototypes are the batch's unit class means, in
-    the graph (ours: the paper does not say). With no old prototype (task 1), its first term."""
+    """Eq. (11) for features z (n, D) of classes y (n,) among the current task's num_classes, and
+    the old prototypes (old classes, D), unit rows. The current prototypes are the batch's unit
+    class means, with the gradient through them (ours: the paper does not say). With no old
+    prototype (task 1), Eq. (11) is its first term alone."""
     z = F.normalize(z.float(), dim=1)
-    onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (B, C)
-    protos = F.normalize(onehot.T @ z, dim=1)  # (C, D); a class absent from the batch: 0
+    onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (n, classes)
+    protos = F.normalize(onehot.T @ z, dim=1)  # (classes, D); a class absent from the batch: 0
     absent = onehot.sum(0) == 0  # the softmax runs over C_t, the classes in the batch
     logits = (z @ protos.T / tau).masked_fill(absent, -math.inf)
     # -log( exp(z_i . p_yi / tau) / sum over c in C_t of exp(z_i . p_c / tau) ), batch mean
     intra = F.cross_entropy(logits, y)
     if old_prototypes.shape[0] == 0:
         return intra
-    # the mean over i in the batch and p_j in C_past of max(0, s_ij - m), s_ij = z_i . p_j
-    hinge = F.relu(z @ old_prototypes.T - margin)  # (B, P)
+    # the mean over i in the batch and p_j in C_past of max(0, s_ij - m), cosine s_ij = z_i . p_j
+    hinge = F.relu(z @ old_prototypes.T - margin)  # (n, old classes)
     return intra + hinge.mean()
 
 
 # ---- GR: Gradient Rectification, Eqs. (5)-(7) ----------------------------------------------------
 def rectify_gradients_(layers, delta):
     """Replace each LoRA layer's factor gradients by GR's, all layers in one batch."""
-    A = torch.stack([layer.A.detach() for layer in layers])  # (L', r, d_in), L' = 2L layers
-    B = torch.stack([layer.B.detach() for layer in layers])  # (L', d_out, r)
+    A = torch.stack([layer.A.detach() for layer in layers])  # (layers, r, d_in)
+    B = torch.stack([layer.B.detach() for layer in layers])  # (layers, d_out, r)
     s = layers[0].scale
-    # The chain rule gives A.grad = s B^T G_safe and B.grad = s G_safe A^T (Eq. (4) prints them
-    # as (dW)^T B and A^T dW, with the shapes transposed and no s). GR needs nothing more.
-    BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (L', r, d_in)
-    GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (L', d_out, r)
+    # The chain rule gives A.grad = s B^T G_safe and B.grad = s G_safe A^T, all that GR needs.
+    # (Eq. (4) prints them as (dW)^T B and A^T dW, shapes that match no factor, and without s.)
+    BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (layers, r, d_in)
+    GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (layers, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
     for layer, a, b in zip(layers, dA, dB):
         layer.A.grad.copy_(a)
@@ -257,16 +260,16 @@ def rectify_gradients_(layers, delta):
 
 def rectify_factors(BtG, GAt, A, B, scale, delta):
     """GR's dA (..., r, d_in) and dB (..., d_out, r), Eqs. (6)-(7), from B^T G_safe and
-    G_safe A^T alone: G_safe itself is never formed. In float64, as the r x r systems can be
-    ill-conditioned."""
-    # Why it is right, as delta -> 0. Let P_B = B (B^T B)^-1 B^T project onto span(B), and
-    # P_A = A^T (A A^T)^-1 A onto A's row space. Eq. (6) gives s B dA = P_B G_safe, so that
-    # R = (I - P_B) G_safe, and Eq. (7) gives s dB A = R P_A. What is left of G_safe,
-    # (I - P_B) G_safe (I - P_A), is orthogonal to every B X + Y A. So Eq. (5) is a linear
-    # least-squares problem in (dA, dB), not a non-convex one, and this is its minimum. The
-    # composite update s (B dA + dB A) = P_B G_safe + G_safe P_A - P_B G_safe P_A is LoRA-Pro's
-    # equivalent gradient. It leaves span(M) alone where A M = 0, as G_safe M = 0 and then
-    # P_A M = 0: hence Janus-LoRA draws each task's A off M (LoRALinear.reset_).
+    G_safe A^T alone: G_safe itself is never formed. In float64: B^T B starts at 0 in each task."""
+    # Why it is right, as delta -> 0, for B and A of rank r. Let P_B = B (B^T B)^-1 B^T project
+    # onto span(B), and P_A = A^T (A A^T)^-1 A onto A's row space. Eq. (6) gives s B dA =
+    # P_B G_safe, so that R = (I - P_B) G_safe, and Eq. (7) gives s dB A = R P_A. What is left of
+    # G_safe, (I - P_B) G_safe (I - P_A), is orthogonal to every B U + U' A. So Eq. (5) is a
+    # linear least-squares problem in (dA, dB), not a non-convex one, and this is a minimiser.
+    # The composite s (B dA + dB A) = P_B G_safe + G_safe P_A - P_B G_safe P_A is LoRA-Pro's
+    # equivalent gradient. Where A M = 0, it leaves span(M) alone (G_safe M = 0, P_A M = 0):
+    # hence each task's A is drawn off M (LoRALinear.reset_). Adam's per-coordinate scaling of
+    # these gradients moves A off that, which --rectify update (ours, part 2) puts right.
     dtype = BtG.dtype
     BtG, GAt, A, B = BtG.double(), GAt.double(), A.double(), B.double()
     eye = delta * torch.eye(B.shape[-1], dtype=B.dtype, device=B.device)  # delta I (r, r)
@@ -280,94 +283,94 @@ def rectify_factors(BtG, GAt, A, B, scale, delta):
 
 
 def gram(X):
-    """X^T X (..., k, k) of X (..., n, k), in float64: float32's round-off can fail Cholesky."""
+    """X^T X of X (..., rows, k), in float64, where float32's round-off fails Cholesky on rank-one
+    inputs (test_oe_stays_positive_definite_and_orthonormal_and_converges)."""
     X = X.double()
     return X.mT @ X
 
 
 def ridge(S, eps):
-    """S + eps * mean(eig S) * I for Gram matrices S (..., k, k): positive definite for Cholesky."""
+    """S + eps * mean(eig S) * I, a ridge relative to S's scale, for Gram matrices S (..., k, k)."""
     lam = eps * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
     return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
 
 
 def spd_solve(S, rhs):
-    """S^-1 rhs for positive definite S (..., n, n), by Cholesky. cholesky_ex, unlike cholesky,
+    """S^-1 rhs for positive definite S (..., k, k), by Cholesky. cholesky_ex, unlike cholesky,
     does not check its result, which would make a GPU wait."""
-    L = torch.linalg.cholesky_ex(S).L
-    y = torch.linalg.solve_triangular(L, rhs, upper=False)
-    return torch.linalg.solve_triangular(L.mT, y, upper=True)
+    low = torch.linalg.cholesky_ex(S).L  # S = low low^T
+    y = torch.linalg.solve_triangular(low, rhs, upper=False)
+    return torch.linalg.solve_triangular(low.mT, y, upper=True)
 
 
 # ---- OE: Online Estimation, Eqs. (8)-(10) --------------------------------------------------------
 class OnlineSubspace:
-    """OE's basis V (L, D, k): for each of the L blocks, an orthonormal basis of the current task's
-    K/V inputs, kept off the block's memory M."""
+    """OE's basis V (blocks, D, k): for each block, an orthonormal basis of the k leading
+    directions of the current task's K/V inputs, kept off the block's memory M."""
 
     def __init__(self, blocks, dim, k, lr=1.0, decay_steps=5, device=None):
         self.k, self.lr, self.decay_steps = k, lr, decay_steps
-        self.V = fresh_basis([torch.zeros(dim, 0, device=device)] * blocks, k)  # (L, D, k)
-        self.t = 0  # the steps taken with this V
+        self.V = fresh_basis([torch.zeros(dim, 0, device=device)] * blocks, k)  # (blocks, D, k)
+        self.steps = 0  # the steps taken with this V
 
     @torch.no_grad()
     def update(self, X, memory, step="preconditioned"):
-        """One step of OE on every block, Eqs. (8)-(10), on X_p = X (I - M M^T): the batch's K/V
-        inputs X (..., D), every token a sample, off the block's memory M (D, m)."""
-        V, M = self.V, stack_blocks(memory)  # (L, D, k), (L, D, m)
+        """One step of OE on every block, Eqs. (8)-(10), on X_p = X (I - M M^T) (ours: the paper
+        does not project): each block's K/V inputs X (..., D), every token a sample."""
+        V, M = self.V, stack_blocks(memory)  # (blocks, D, k), (blocks, D, w)
         if V.shape[-1] == 0:  # a full memory leaves nothing to learn
             return
-        # Eq. (8)'s loss (1/2) ||X_p - X_p V V^T||^2 has the gradient -2 C + C V^T V + V V^T C,
-        # with C = X_p^T X_p V. Since V^T V = I, it is -(I - V V^T) C.
-        C = []  # per block: X^T X V, divided by the step's scale (below)
+        # Eq. (8)'s loss (1/2) ||X_p - X_p V V^T||^2 has the gradient -2 E + E V^T V + V V^T E,
+        # with E = X_p^T X_p V. Since V^T V = I, it is -(I - V V^T) E.
+        E = []  # per block, X^T X_p V scaled for the step: by 1 / ||X_p||^2, or by S^-1 (ours)
         for x, v, m in zip(X, V, M):
-            x = x.reshape(-1, v.shape[0]).float()  # (n, D): the batch's tokens
-            xv = x @ v  # (n, k): X_p V, as V is off M
+            x = x.reshape(-1, v.shape[0]).float()  # (tokens, D)
+            xv = x @ v  # (tokens, k): X_p V, as V is off M
             if step == "plain":
-                # Eq. (9)'s step, divided by ||X_p||^2, the sum of X_p^T X_p's eigenvalues: the
-                # step is then free of the inputs' scale and number, and no direction overshoots.
+                # Eq. (9)'s step, divided by ||X_p||^2, the sum of X_p^T X_p's eigenvalues: free
+                # of the inputs' scale and number, and eta times any eigenvalue is at most eta.
                 energy = x.square().sum() - (x @ m).square().sum()
-                C.append(x.T @ xv / energy.clamp_min(torch.finfo(x.dtype).tiny))
+                E.append(x.T @ xv / energy.clamp_min(torch.finfo(x.dtype).tiny))
             else:
-                # Ours: the gradient times S^-1, S = V^T C = (X_p V)^T (X_p V) plus a ridge.
-                # At a step size of 1, V - (-(I - V V^T) C S^-1) = C S^-1, whose columns span
-                # X_p^T X_p V: a step of subspace iteration. S^-1 comes before X^T, as after it
-                # S^-1 would enlarge X^T's round-off where S is singular (fewer tokens than k).
+                # Ours: the gradient times S^-1, S = V^T E = (X_p V)^T (X_p V) plus a ridge.
+                # At a step size of 1, V - (-(I - V V^T) E S^-1) = E S^-1, whose columns span
+                # X_p^T X_p V: a step of subspace iteration. S^-1 multiplies X V before X^T does.
                 S = ridge(gram(xv), 1e-6)  # (k, k)
-                C.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))
-        C = off_span(torch.stack(C), M)  # X_p^T = (I - M M^T) X^T
-        grad = -(C - V @ (V.mT @ C))  # Eq. (8)'s gradient, divided as above
-        # The step size after t steps: eta = oe_lr n / (n + t), n = --oe-decay-steps (ours).
-        eta = self.lr * self.decay_steps / (self.decay_steps + self.t)
+                E.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))
+        E = off_span(torch.stack(E), M)  # X_p^T = (I - M M^T) X^T
+        grad = -(E - V @ (V.mT @ E))  # Eq. (8)'s gradient, scaled as above
+        # The step size after i steps: eta = oe_lr i0 / (i0 + i), i0 = --oe-decay-steps (ours).
+        eta = self.lr * self.decay_steps / (self.decay_steps + self.steps)
         V_tilde = V - eta * grad  # Eq. (9)
         # V~^T V~ = I + eta^2 grad^T grad >= I, as V^T grad = 0: qr_q's Cholesky is safe.
         Q = qr_q(V_tilde)  # Eq. (10): V <- Q of V~ = Q R
         self.V = off_span(Q, M)  # off M again, so that no round-off leaks into span(M)
-        self.t += 1
+        self.steps += 1
 
     @torch.no_grad()
     def merge(self, memory):
         """A task's end: each block's M takes V's k columns (fewer where M has less room left), and
-        a fresh V is drawn off the new M. Returns the new memory."""
+        a fresh V is drawn off the new M, its steps from 0. Returns the new memory."""
         room = [min(self.k, M.shape[0] - M.shape[1]) for M in memory]
         memory = [torch.linalg.qr(torch.cat([M, v[:, :n]], dim=-1)).Q
                   for M, v, n in zip(memory, self.V, room)]
         self.V = fresh_basis(memory, self.k)
-        self.t = 0
+        self.steps = 0
         return memory
 
 
 def fresh_basis(memory, k):
-    """A random orthonormal V (L, D, k) off each block's memory M (D, m), uniform (Haar) among
-    those. A block with room for fewer than k columns, D - m, gets that many, then zero columns."""
-    M = stack_blocks(memory)  # (L, D, m)
-    L, D, _ = M.shape
-    room = torch.tensor([min(k, D - m.shape[1]) for m in memory])  # (L,)
+    """A random orthonormal V (blocks, D, k) off each block's memory M (D, w), uniform (Haar) among
+    those. A block with room for fewer than k columns, D - w, gets that many, then zero columns."""
+    M = stack_blocks(memory)  # (blocks, D, w)
+    blocks, D, _ = M.shape
+    room = torch.tensor([min(k, D - m.shape[1]) for m in memory])  # (blocks,)
     # drawn on the CPU, so that a run's random numbers do not depend on the device
-    V = torch.randn(L, D, int(room.max())).to(M.device)
+    V = torch.randn(blocks, D, int(room.max())).to(M.device)
     # Q with R's diagonal > 0, as Gram-Schmidt gives it, is uniform; LAPACK's Q is not, and its
     # signs would depend on the device.
     Q, R = torch.linalg.qr(off_span(V, M))
-    keep = torch.arange(V.shape[-1]) < room[:, None]  # (L, k): the columns each block has room for
+    keep = torch.arange(V.shape[-1]) < room[:, None]  # the columns each block has room for
     return Q * (R.diagonal(dim1=-2, dim2=-1).sign() * keep.to(M.device))[..., None, :]
 
 
@@ -377,17 +380,17 @@ def off_span(V, M):
 
 
 def stack_blocks(memory):
-    """Each block's memory (D, m_i) as one (L, D, m), zero columns padding the narrower ones."""
-    m = max(M.shape[1] for M in memory)
-    return torch.stack([F.pad(M, (0, m - M.shape[1])) for M in memory])
+    """Each block's memory (D, w_i) as one (blocks, D, w), zero columns padding the narrower."""
+    w = max(M.shape[1] for M in memory)
+    return torch.stack([F.pad(M, (0, w - M.shape[1])) for M in memory])
 
 
 def qr_q(V):
-    """Eq. (10)'s Q of V = Q R (..., n, k), R's diagonal > 0: as V^T V = R^T R, R^T is the Cholesky
-    factor of V^T V, and Q = V R^-1: a k x k factorisation in place of an n x k QR."""
-    G = gram(V)
-    G = G + torch.diag_embed((G.diagonal(dim1=-2, dim2=-1) == 0).to(G.dtype))  # a zero column: 0
-    R = torch.linalg.cholesky_ex(G).L.mT
+    """Eq. (10)'s Q of V = Q R (..., D, k), triangular R's diagonal > 0: as V^T V = R^T R, R^T is
+    the Cholesky factor of V^T V, and Q = V R^-1: a k x k factorisation, not a D x k QR."""
+    VtV = gram(V)
+    VtV = VtV + torch.diag_embed((VtV.diagonal(dim1=-2, dim2=-1) == 0).to(VtV.dtype))  # 0 stays 0
+    R = torch.linalg.cholesky_ex(VtV).L.mT
     return torch.linalg.solve_triangular(R, V.double(), upper=True, left=False).to(V.dtype)
 
 
@@ -412,41 +415,42 @@ def start_learner(cfg, seed, backbone):
         layer.reset_()  # the first task's A comes from this seed too
     if cfg.compile == "on":
         compile_blocks(model)  # ours, part 2: for speed on CUDA
-    L, D = len(model.blocks), model.embed_dim
-    learner = Learner(model, memory=[torch.zeros(D, 0, device=cfg.device)] * L,
+    blocks, D = len(model.blocks), model.embed_dim
+    learner = Learner(model, memory=[torch.zeros(D, 0, device=cfg.device)] * blocks,
                       prototypes=torch.zeros(0, D, device=cfg.device))
     if cfg.oe and cfg.memory != "gpm":  # GPM's memory needs no OE
-        learner.subspace = OnlineSubspace(L, D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps, cfg.device)
+        learner.subspace = OnlineSubspace(blocks, D, cfg.k, cfg.oe_lr, cfg.oe_decay_steps,
+                                          cfg.device)
     return learner
 
 
 def run_seed(learner, record, splits, cfg, after_task):
-    """The task loop of one seed: each task that `record` does not hold yet, trained, evaluated and
-    analysed; after_task(learner, record) saves the seed's state (part 4) before it is reported."""
+    """The task loop of one seed: each task that `record` (new_record, part 3) does not hold yet,
+    trained, evaluated and analysed; after_task(learner, record) saves it, before it is reported.
+    splits: data.load_dataset's, the training and test images with their classes."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     for t in range(len(record["acc_matrix"]), cfg.tasks):
-        start = time.time()  # a task's time: its training and the method's passes
+        start = time.time()  # a task's time: its training and its end (the method's passes)
         memory = start_task(learner, t, tasks, splits, cfg)
         record["throughput"].append(train_task(learner, t, tasks, splits, cfg, record["seed"]))
         oe = learner.subspace and (learner.subspace.V, learner.memory)  # for the analyses
         factors = end_task(learner, t, tasks, splits, cfg)
         record["task_seconds"].append(time.time() - start)
-        probe, sums = analyses_probe(factors, oe, tasks[t], cfg)  # part 3's
+        probe, sums = analyses_probe(factors, oe, tasks[t], cfg)  # the analyses, part 3
         acc, aware, sample, z, y = evaluate(learner, splits, tasks, cfg, probe)
         record["acc_matrix"].append(acc)
         record["task_aware"].append(aware)
         record["sample_acc"].append(sample)
         analyses = record_analyses(record, learner, t, factors, memory, z, y, sums, cfg)
         after_task(learner, record)
-        print(f"seed {record['seed']} task {t + 1} accuracy per task: "
-              f"{' '.join(f'{a:.2f}' for a in acc)}  | mean {sum(acc) / len(acc):.2f}  | over "
-              f"samples {sample:.2f}  | task-aware mean {sum(aware) / len(aware):.2f}  | "
-              f"{record['task_seconds'][-1]:.1f} s\n{analyses}", flush=True)
+        print(f"seed {record['seed']} task {t + 1} accuracy per task: {' '.join(map(fmt, acc))}  | "
+              f"mean {fmt(sum(acc) / len(acc))}  | task-aware mean {fmt(sum(aware) / len(aware))}"
+              f"  | {record['task_seconds'][-1]:.1f} s\n{analyses}", flush=True)
 
 
 def start_task(learner, t, tasks, splits, cfg):
-    """Task t's start: a fresh head, and each LoRA layer given the memory M it protects; with
-    --lora-a inflora, InfLoRA's A (part 2). Returns each block's M for this task."""
+    """Task t's start: a fresh head, each LoRA layer given the memory M it protects (--memory
+    rolling: V, at each step), InfLoRA's A (part 2) if asked. Returns each block's M now."""
     model = learner.model
     learner.heads.append(nn.Linear(model.embed_dim, len(tasks[t])).to(cfg.device))
     M = protected(learner, cfg)
@@ -481,8 +485,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
     # the loader's own generator draws the order, the crops and the flips
     loader = data.make_loader(images, cfg.batch_size, True, cfg.workers, seed * 1000 + t,
                               cfg.device)
-    opt = adam(learner, cfg)
-    speeds = []
+    opt, speeds = adam(learner, cfg), []
     for epoch in range(cfg.epochs):
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_factor(epoch, cfg.epochs)
@@ -502,7 +505,7 @@ def train_task(learner, t, tasks, splits, cfg, seed):
         print(f"seed {seed} task {t + 1}/{cfg.tasks} epoch {epoch + 1}/{cfg.epochs}  loss "
               f"{loss:.4f}  train acc {100.0 * float(correct) / seen:5.2f}%  "
               f"{speeds[-1]:7.1f} img/s", flush=True)
-        if t == 0 and epoch == 0:  # a ViT-B on a CPU takes days: part 3 says how long
+        if t == 0 and epoch == 0:  # how long a seed takes at this speed (part 3)
             print(estimate(speeds[-1], splits, cfg), flush=True)
     return speeds
 
@@ -515,8 +518,8 @@ def adam(learner, cfg):
 
 
 def lr_factor(epoch, epochs):
-    """The lr of a task's epoch (from 0) as a factor of --lr, as the InfLoRA codebase steps its
-    CosineSchedule under Adam: 1, then cos(99 pi e / (200 (E - 1))) for e = epoch - 1 of E."""
+    """The lr factor of a task's epoch (from 0) of E = epochs, as the InfLoRA codebase steps its
+    CosineSchedule under Adam: 1, then cos(99 pi e / (200 (E - 1))) for e = epoch - 1."""
     if epoch == 0 or epochs == 1:  # the codebase divides by zero at E = 1: one epoch at lr
         return 1.0
     return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
@@ -524,8 +527,8 @@ def lr_factor(epoch, epochs):
 
 @torch.no_grad()
 def end_task(learner, t, tasks, splits, cfg):
-    """Task t's end: DML's old prototypes gain its classes, M gains its basis, the LoRA pairs merge
-    into W0 and fresh pairs are drawn. Returns each layer's (A, B) before the merge."""
+    """Task t's end: DML's old prototypes gain the task's classes, each memory M its basis V, W0 the
+    LoRA pairs, which start afresh. Returns each layer's (A, B) from before the merge."""
     images = data.subset(splits.train_eval, tasks[t])  # the task's training images, test transform
     z, y = features(learner.model, images, cfg)
     learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
@@ -551,8 +554,8 @@ def class_prototypes(z, y, classes):
 @torch.no_grad()
 def evaluate(learner, splits, tasks, cfg, measure=None):
     """One pass over the seen tasks' test images, calling measure(K/V inputs, y) on each batch.
-    Returns row t of the accuracy matrix, task-agnostic (the paper's: the argmax over all heads)
-    and task-aware (ours: the true task's head), the accuracy over the samples, the task's z, y."""
+    Returns row t of the accuracies, task-agnostic (InfLoRA's protocol: the argmax over all heads)
+    and task-aware (ours: the true task's head), over the samples, and the task's z and y."""
     heads, t = learner.heads, len(learner.heads) - 1
     seen = torch.tensor([c for classes in tasks[:t + 1] for c in classes], device=cfg.device)
     z, y = features(learner.model, data.subset(splits.test, seen.tolist()), cfg, measure)
@@ -588,8 +591,9 @@ def features(model, images, cfg, measure=None):
 
 
 def acc_maa_bwt(acc):
-    """ACC, MAA and BWT (Sec. 4.1) of acc[t][i], the accuracy (%) on task i after task t (only
-    i <= t is read). BWT is undefined (None) with one task."""
+    """Sec. 4.1's ACC = mean_i A[T][i], MAA = mean_t mean_(i <= t) A[t][i] and BWT = mean_(i < T)
+    (A[T][i] - A[i][i]) (None with one task), of acc = A: A[t][i] the accuracy (%) on task i
+    after task t."""
     T = len(acc)
     maa = sum(sum(acc[t][: t + 1]) / (t + 1) for t in range(T)) / T
     bwt = sum(acc[T - 1][i] - acc[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else None
@@ -599,8 +603,8 @@ def acc_maa_bwt(acc):
 # ==== Part 2. Ours and the baselines ==============================================================
 # ---- Ours: --rectify update, GR on Adam's step ---------------------------------------------------
 def rectified_adam_step_(opt, layers, delta):
-    """Adam proposes a step, which GR then rectifies against each layer's memory M (ours). Adam's
-    per-coordinate scaling moves a step of GR's gradients out of the safe set; this puts it back."""
+    """Adam's step, rectified against each layer's memory M (ours): Adam's per-coordinate scaling
+    moves a step of GR's gradients out of the safe set, and this puts it back."""
     before = [(layer.A.detach().clone(), layer.B.detach().clone()) for layer in layers]
     opt.step()
     rectify_updates_(layers, before, [layer.M for layer in layers], delta)
@@ -608,11 +612,10 @@ def rectified_adam_step_(opt, layers, delta):
 
 @torch.no_grad()
 def rectify_updates_(layers, before, memories, delta):
-    """The step that Adam took from `before`, each layer's (A, B), as its composite update
-    dW = s (B dA + dB A): projected off M (Theorem 3.1), rectified by GR, and split between A and
-    B as LoRA-Pro splits it (least_norm_split). LoRA-Pro runs Adam on the full-size composite
-    gradient; ours runs Adam on the factors and adds the projection off M. With an empty memory,
-    this is plain LoRA under Adam with its step re-split."""
+    """The step that Adam took from `before`, as its composite update dW = s (B dA + dB A):
+    projected off M (Theorem 3.1), rectified by GR, split as LoRA-Pro splits it. LoRA-Pro runs
+    Adam on the full-size gradient; ours, on the factors, adds the projection off M (with an empty
+    memory, plain LoRA under Adam, its step re-split)."""
     A0 = torch.stack([a for a, _ in before])  # (L', r, d_in)
     B0 = torch.stack([b for _, b in before])  # (L', d_out, r)
     s = layers[0].scale
@@ -654,8 +657,7 @@ def least_norm_split(dA, dB, A, B):
 
 
 def compile_blocks(model):
-    """Ours, for speed on CUDA: each block compiled by torch.compile, in place, so that the
-    tensors' names stay those of the checkpoint."""
+    """Ours, for speed on CUDA: each block compiled in place, its tensors' names unchanged."""
     # A block is traced anew for each width of M, with and without gradients, before the width
     # becomes a dynamic size: more traces than dynamo's default limit of 8.
     torch._dynamo.config.cache_size_limit = 64
@@ -679,8 +681,7 @@ def kv_covariance(model, images, cfg):
 
 
 def gpm_memory(learner, images, t, cfg):
-    """GPM's memory after task t: each block's M extended by gpm_extend, at the InfLoRA codebase's
-    threshold, which goes from --gpm-threshold's first value to its second over the tasks."""
+    """GPM's memory after task t, at the InfLoRA codebase's threshold for task t."""
     C = kv_covariance(learner.model, images, cfg)
     first, last = cfg.gpm_threshold
     threshold = first + (last - first) * t / cfg.tasks  # t from 0, as the codebase counts
@@ -870,10 +871,11 @@ def estimate(speed, splits, cfg):
     counts = torch.bincount(torch.tensor(splits.test.targets), minlength=splits.num_classes)
     test = int(counts.view(cfg.tasks, -1).sum(1).cumsum(0).sum())  # the seen tasks' after each
     trained, passes = cfg.epochs * len(splits.train), len(splits.train) + test
-    return (f"note: at {speed:.1f} img/s on {cfg.device}, a seed takes about {trained / speed / 60:.0f}"
-            f" min to train ({cfg.epochs} epoch(s) of {len(splits.train)} images), and at most "
-            f"{passes / speed / 60:.0f} min more for {passes} images without gradients (the tasks' "
-            "ends, and the evaluations on the whole test set, which --limit-per-class keeps)")
+    return (f"note: at {speed:.1f} img/s on {cfg.device}, a seed takes about "
+            f"{trained / speed / 60:.0f} min to train ({cfg.epochs} epoch(s) of "
+            f"{len(splits.train)} images), and at most {passes / speed / 60:.0f} min more for "
+            f"{passes} images without gradients (the tasks' ends, and the evaluations on the "
+            "whole test set, which --limit-per-class keeps)")
 
 
 def fmt(value, spec=".2f"):
@@ -911,7 +913,8 @@ METHODS = {"janus": ("", "Janus-LoRA"),
            "inflora": ("--memory gpm --lora-a inflora --no-gr --no-dml", "InfLoRA")}
 # The flags that change no result: the machine's and the program's own (where the data lie, which
 # seeds: a run keeps each seed's numbers apart). Another value of any other makes another run.
-FREE = ("device", "workers", "compile", *(f.name for f in fields(Options) if f not in fields(Config)))
+FREE = ("device", "workers", "compile", *(f.name for f in fields(Options)
+                                          if f not in fields(Config)))
 # The settings that a switched-off part never reads: no part of such a run's identity.
 UNDER = {"oe": ("k", "oe_step", "oe_lr", "oe_decay_steps", "memory", "gpm_threshold"),
          "gr": ("delta", "rectify"), "dml": ("margin", "tau", "lambda_dml")}
@@ -1069,8 +1072,7 @@ def result_values(config):
 
 
 def describe(config):
-    """A config (a dict) as its nearest --method, and that method's flag with the flags it adds:
-    ('janus', '--method janus --lr 0.001')."""
+    """A config (a dict) as its nearest --method and the flags that it adds to the method's."""
     values, preset = result_values(config), partial(method_values, dataset=config["dataset"])
     typed = {k: flag(k) if v is True else f"--no-{flag(k)[2:]}" if v is False else f"{flag(k)} " +
              " ".join(map(str, v if isinstance(v, list) else [v])) for k, v in values.items()}
@@ -1087,9 +1089,10 @@ def method_values(method, dataset):
 
 
 def machine(cfg):
-    """Where and in what the numbers run: bf16 autocast is CUDA's, so a CPU runs in fp32."""
+    """Where and in what a task runs: bf16 autocast is CUDA's, so a CPU runs in fp32."""
     cpu = f"cpu ({torch.get_num_threads()} threads) fp32"
-    cuda = cfg.device.startswith("cuda") and f"{torch.cuda.get_device_name(cfg.device)} {cfg.precision}"
+    cuda = cfg.device.startswith("cuda") and f"{torch.cuda.get_device_name(cfg.device)} " \
+        f"{cfg.precision}"
     return f"{cuda or cpu}, torch {torch.__version__}"
 
 
@@ -1099,10 +1102,6 @@ STATE = ("options", "backbone", "record", "learner", "rng")  # a seed's state, a
 
 def seed_file(folder, seed):
     return os.path.join(folder, f"seed{seed}.pt")
-
-
-def done(state, cfg):
-    return state is not None and len(state["record"]["acc_matrix"]) == cfg.tasks
 
 
 def states_in(folder):
@@ -1122,8 +1121,7 @@ def locked(path, wait=False):
 
 
 def written(path, content):
-    """A text or a state, written whole or not at all: to a temporary file, then renamed. A state
-    is serialised first, so that a failed write says the system's reason (torch.save hides it)."""
+    """A text or a state, written whole or not at all: serialised, written aside, then renamed."""
     if not isinstance(content, str):
         buffer = io.BytesIO()
         torch.save(content, buffer)
@@ -1152,8 +1150,7 @@ def claimed(folder, reproduce=None):
 
 
 def claim(cfg, backbone=None):
-    """The run folder's config.json, checked against cfg; given a loaded backbone's digest, the
-    first run in the folder writes it first: one folder, one configuration and one backbone."""
+    """The folder's config.json, checked against cfg; the first run to load a backbone writes it."""
     if backbone:
         os.makedirs(cfg.out, exist_ok=True)
         with locked(os.path.join(cfg.out, "lock"), wait=True):  # two jobs that start at once
@@ -1183,8 +1180,12 @@ def known(options, what, fix):
     return options
 
 
+def finished(state, cfg):
+    return state is not None and len(state["record"]["acc_matrix"]) == cfg.tasks
+
+
 def read_state(path, cfg, folder):
-    """A seed's state (or None), refused unless it is one, of its name's seed and of the folder's."""
+    """A seed's state (or None), refused unless it is one, of its file's seed, and the folder's."""
     try:
         state = torch.load(path, map_location=cfg.device, weights_only=True)
     except FileNotFoundError:
@@ -1201,12 +1202,11 @@ def read_state(path, cfg, folder):
 
 
 def run(cfg):
-    """A run: each seed that no other process runs, from the last task that its state holds; then
-    the outputs, from every finished seed's state in the folder, whichever process ran it."""
+    """Each seed that no other process runs, then the outputs from every finished seed's state."""
     folder = claim(cfg)  # a folder of another configuration is refused before anything loads
     load = cache(partial(load_data_and_backbone, cfg))  # loaded when a seed first needs them
     for seed in cfg.seeds:
-        if done(read_state(seed_file(cfg.out, seed), cfg, folder), cfg):
+        if finished(read_state(seed_file(cfg.out, seed), cfg, folder), cfg):
             continue
         splits, backbone, folder = load()  # nothing is written before this has succeeded
         try:
@@ -1223,7 +1223,7 @@ def run(cfg):
 def run_one(cfg, seed, splits, backbone, folder):
     """One seed, from the last task that its state file holds; the state is saved after each."""
     path = seed_file(cfg.out, seed)
-    if done(state := read_state(path, cfg, folder), cfg):
+    if finished(state := read_state(path, cfg, folder), cfg):
         return
     learner, record = start_learner(cfg, seed, backbone), new_record(seed)
     if state:
@@ -1296,7 +1296,7 @@ def records(cfg, folder):
     """The finished seeds' records in cfg's folder, each with its metrics, each state checked."""
     states = [read_state(path, cfg, folder) for path in states_in(cfg.out).values()]
     return [dict(s["record"], metrics={k: f(s["record"]) for k, (f, _, _) in METRICS.items()})
-            for s in states if done(s, cfg)]
+            for s in states if finished(s, cfg)]
 
 
 def write_outputs(cfg, folder):
@@ -1318,10 +1318,12 @@ def write_table(out, rows, title):
     lines = [f"# {title}", "", "| row | flags | seeds | " + " | ".join(METRICS) + " |",
              "|---" * (len(METRICS) + 3) + "|"]
     for name, row in rows.items():
-        cells = [name, f"`{row['flags'] or '(none)'}`", " ".join(str(r["seed"]) for r in row["runs"])]
+        seeds = " ".join(str(r["seed"]) for r in row["runs"])
+        cells = [name, f"`{row['flags'] or '(none)'}`", seeds]
         for metric, s in summarize(row["runs"]).items():
             spec = METRICS[metric][1]
-            cells.append(fmt(s["mean"], spec) + ("" if s["std"] is None else f" ± {s['std']:{spec}}"))
+            std = "" if s["std"] is None else f" ± {s['std']:{spec}}"
+            cells.append(fmt(s["mean"], spec) + std)
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Each cell: the mean ± the sample std over the row's seeds (n - 1)."]
     lines += [f"- {name}: {meaning}." for name, (_, _, meaning) in METRICS.items()]
@@ -1351,9 +1353,8 @@ def draw(out, figures, rows, title):
 
 
 def plot_trajectories(fig, rows):
-    """Fig. 5: each row's mean accuracy on the tasks seen after each task, task-agnostic (the
-    paper's) and task-aware, on one y axis, the mean over its seeds in a band of ± their sample
-    std. Beside it, each row's past change (filled) and current change (hatched), from 0."""
+    """Fig. 5: each row's mean accuracy on the tasks seen, task-agnostic and task-aware, mean ±
+    sample std over its seeds; beside it, its past change (filled) and current change (hatched)."""
     *axes, bars = fig.subplots(1, 3, width_ratios=(3, 3, 2))
     axes[1].sharey(axes[0])
     for i, (name, row) in enumerate(rows.items()):
@@ -1381,9 +1382,8 @@ def plot_trajectories(fig, rows):
 
 
 def plot_analyses(fig, rows):
-    """Figs. 2 and 3 of a run, over all its seeds: per block, the past change of its K layer and
-    of its V layer, the mean over tasks 2..T; and the last task's test images by their cosine to
-    the nearest old class's prototype and to their own class's."""
+    """Figs. 2 and 3 of a run, over its seeds: each block's past change of K and of V, and the last
+    task's test images by their cosine to the nearest old class's prototype and to their own's."""
     runs = next(iter(rows.values()))["runs"]
     *kv, angular = fig.subplots(1, 3)
     kv[1].sharey(kv[0])
@@ -1416,7 +1416,8 @@ def plot_gr_plugin(fig, rows):
     for ax, metric in zip(fig.subplots(1, 3), ("ACC", "MAA", "BWT")):
         stats = [summarize(row["runs"])[metric] for row in rows.values()]
         bars = ax.bar(list(rows), [nan(s["mean"]) for s in stats], capsize=4,
-                      yerr=[s["std"] or 0 for s in stats], color=[f"C{i}" for i in range(len(rows))])
+                      yerr=[s["std"] or 0 for s in stats], color=[f"C{i}" for i, _ in
+                                                                  enumerate(rows)])
         ax.bar_label(bars, [fmt(s["mean"]) for s in stats], padding=3)
         ax.set(title=metric, ylabel="points (< 0: forgetting)" if metric == "BWT" else "%")
 
@@ -1494,12 +1495,12 @@ REPRODUCE = {
 
 
 def reproduce(cfg, argv):
-    """Each row into OUT/<row>/ with the flags typed and its own; the seeds that other processes
-    run are theirs, so that the jobs of an array share the rows. Then table.md and the figures
-    of the rows done, whichever jobs ran them, naming the rows not finished."""
+    """Each row as a run in OUT/<row>/ (the jobs of an array share them), then table.md and the
+    figures of the rows done, whichever jobs ran them."""
     what, rows, figures = REPRODUCE[cfg.reproduce]
-    typed = parse(argv)[1]  # with the flags that a typed --method sets
-    typed = {**parse(METHODS[typed["method"]][0].split())[1], **typed} if "method" in typed else typed
+    typed = parse(argv)[1]
+    preset = METHODS[typed["method"]][0].split() if "method" in typed else []
+    typed = {**parse(preset)[1], **typed}  # with the flags that a typed --method sets
     if set_by := sorted({k for flags in rows.values() for k in parse(flags.split())[1]} & {*typed}):
         raise RunError(f"{', '.join(map(flag, set_by))}: set by the rows of --reproduce "
                        f"{cfg.reproduce}: leave it out")
@@ -1535,9 +1536,8 @@ BENCHMARKED = {"plain": "finetune", "janus-grad": "janus", "janus-update": "janu
 
 
 def benchmark(cfg):
-    """Plain LoRA and Janus-LoRA (GR on the gradients, and ours on Adam's step), whatever --method
-    says: a step of each in turn on one random batch; each one's median and its per-round ratio
-    to plain LoRA's."""
+    """Plain LoRA's step and Janus-LoRA's (GR on the gradients, ours on Adam's step) in turn on one
+    random batch: each one's median time, and its median per-round ratio to plain LoRA's."""
     sync = torch.get_device_module(cfg.device).synchronize  # CUDA's kernels run asynchronously
     classes = data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
     backbone = build_model(replace(cfg, weights="none"))  # random weights: the same cost
@@ -1622,9 +1622,8 @@ CANNOT_WRITE = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some of the
 
 
 def main(argv=None):
-    """python janus_min.py [flags] (--help). Bad input, and a file that cannot be written: one line
-    that says what to do (exit 2). Ctrl-C and SIGTERM: the command that continues (exit 130, 143).
-    Any other error is a bug, and keeps its traceback."""
+    """python janus_min.py [flags]. Bad input: one line that says what to do (exit 2); Ctrl-C and
+    SIGTERM: the command that continues (130, 143); any other error is a bug: its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     handler = signal.signal(signal.SIGTERM, sigterm)
     for stream in (sys.stdout, sys.stderr):  # a locale without "±": "\xb1" in its place

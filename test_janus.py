@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tarfile
 import time
-import typing
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -1648,7 +1647,7 @@ def rare_run():
                 z, y, learner.prototypes, cfg.margin, cfg.tau)
         before = [(layer.A.detach().double(), layer.B.detach().double(), layer.M.double())
                   for layer in layers]
-        V, t = learner.subspace.V.double(), learner.subspace.t
+        V, t = learner.subspace.V.double(), learner.subspace.steps
         if t == 0:  # a task's first step: its fresh factors and basis, against the memory now
             memory = [M.double() for M in learner.memory]
             seen["fresh"].append(dict(
@@ -2419,7 +2418,8 @@ def test_each_bound_that_a_refusal_names_takes_its_flag_at_it_and_refuses_it_pas
     width, tiny = vit.PRESETS["vit_tiny"].keywords["embed_dim"], 1e-9
     needs = {"img_size": ["--patch-size", "1"], "steps": ["--benchmark"]}  # what else it needs
     for f in dataclasses.fields(jm.Options):
-        kind, args = (typing.get_args(f.type) or (f.type,))[0], typing.get_args(f.type)
+        args = getattr(f.type, "__args__", ())
+        kind = args[0] if args else f.type
         if kind not in (int, float) or f.type is bool:
             continue
         closed, least = kind is int or f.name in jm.LEAST, jm.LEAST.get(f.name, int(kind is int))
@@ -2461,7 +2461,7 @@ def test_help_lists_every_flag_and_repeated_seeds_add_up(capsys):
         name = jm.flag(f.name)
         assert (f"{name}, --no-{name[2:]}" if f.type is bool else name) in out, name
     flat = " ".join(out.split())  # argparse wraps the help's lines
-    assert re.search(r"--oe, --no-oe OE and the safe gradient [^-]*\(default: on\)", flat)
+    assert re.search(r"--oe, --no-oe the safe gradient and its memory[^-]*\(default: on\)", flat)
     assert re.search(r"--dry-run, --no-dry-run with --reproduce: [^-]*\(default: off\)", flat)
     assert jm.configure(["--seeds", "0", "--seeds", "1"]).seeds == [0, 1]
 
@@ -2977,7 +2977,7 @@ def test_oe_steps_start_afresh_with_each_tasks_v_and_go_on_with_the_rolling_one(
     OE's large steps; under rolling, one V estimates all the tasks' inputs, its step decaying over
     the run's steps."""
     r = watched[run]
-    assert r["learners"][0].subspace.t == (len(r["lr"]) if run == "flags" else 0)
+    assert r["learners"][0].subspace.steps == (len(r["lr"]) if run == "flags" else 0)
 
 
 def test_each_task_adds_k_columns_to_the_memory_so_that_the_k_sweep_differs(tmp_path):
