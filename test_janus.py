@@ -1972,8 +1972,9 @@ def test_end_to_end_results_lr_memory_and_learning(tiny_run):
 @pytest.mark.parametrize("method", list(jm.METHODS))
 def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch, no_plots):
     """Each preset: valid results; InfLoRA's violation is round-off; GPM's memory grows; each
-    task's violation is against the M it started with, under M = V too, where V then moves."""
-    widths, starts, ends, analysed, follows = [], [], [], [], []
+    task's violation is against the M it started with, under M = V too, where V then moves; a
+    task's fresh A is off M for Janus-LoRA, drawn as the InfLoRA codebase draws it for LoRA-GPM."""
+    widths, starts, ends, analysed, follows, on_m = [], [], [], [], [], []
     real_start, real_end, real_analyses = jm.start_task, jm.end_task, jm.record_analyses
     real_step = jm.train_step
 
@@ -1986,6 +1987,8 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch, no_plots):
     def start_task(learner, t, tasks, splits, cfg):
         memory = real_start(learner, t, tasks, splits, cfg)
         starts.append([M.clone() for M in jm.protected(learner, cfg)])
+        on_m.append(max(float((layer.A.detach() @ layer.M).norm()) for layer in jm.lora_layers(
+            learner.model)))
         return memory
 
     def end_task(learner, t, tasks, splits, cfg):
@@ -2015,6 +2018,8 @@ def test_every_method_runs_end_to_end(method, tmp_path, monkeypatch, no_plots):
     assert all(torch.equal(a, b) for a, b in zip(analysed[1], starts[1])) and all(follows)
     if method == "janus-rolling":  # M = V: it moved during the task
         assert not torch.equal(starts[1][0], ends[1][0])
+    if method in ("janus", "lora-gpm"):  # task 2's A, against task 1's memory
+        assert (on_m[1] < 1e-5) == (method == "janus") and (on_m[1] > 0.1) == (method != "janus")
 
 
 def test_the_memory_keeps_the_past_tasks_outputs_on_the_generated_tasks_in_every_seed(
@@ -2161,9 +2166,9 @@ def test_a_folder_holds_one_configuration_against_which_every_state_is_checked(
     claim = json.loads((folder / "config.json").read_text())
     claim["options"]["foo"] = 1
     (folder / "config.json").write_text(json.dumps(claim))
-    refused(SHORT, f"{holds} another version of janus_min.py (foo): choose another --out")
-    refused(["--resume", str(folder)], f"{holds} another version of janus_min.py (foo): continue it "
-            "with that version")
+    other = f"{holds} another version of janus_min.py (foo):"
+    refused(SHORT, f"{other} choose another --out")
+    refused(["--resume", str(folder)], f"{other} continue it with that version")
     del claim["options"]["foo"], claim["options"]["tau"], state["options"]["tau"]  # added since
     (folder / "config.json").write_text(json.dumps(claim))
     torch.save(state, jm.seed_file(folder, 0))
@@ -2187,8 +2192,8 @@ def test_a_finished_seed_keeps_its_learner_and_the_readmes_snippet_loads_it(
     splits = data.load_dataset("synthetic", None, cfg.img_size, 0.0, 1.0)
     acc = jm.evaluate(learner, splits, data.task_classes(12, cfg.tasks), cfg)[0]
     assert acc == short_run["res"]["runs"][0]["acc_matrix"][-1]
-    snippet = re.search(r"```python\n(.*?)```", (Path(jm.__file__).parent / "README.md").read_text(),
-                        re.S)[1]
+    readme = (Path(jm.__file__).parent / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, re.S)[1]
     (tmp_path / "runs" / "demo-x").mkdir(parents=True)
     shutil.copytree(short_run["out"], tmp_path / "runs" / "demo-x" / "janus")
     monkeypatch.chdir(tmp_path)
@@ -2386,8 +2391,8 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "tilde": (CIFAR + ["--data-dir=~/nodata"], f"--data-dir {os.path.expanduser('~')}/nodata: no"),
     "set by rows": (TINY + ["--reproduce", "demo", "--method", "janus-update"], "--method: set by "
                     "the rows of --reproduce demo: leave it out"),
-    "set on a run": (TINY + ["--reproduce", "demo", "--out", "{tmp}/arun"], "{tmp}/arun holds a run: "
-                     "run its own command"),
+    "set on a run": (TINY + ["--reproduce", "demo", "--out", "{tmp}/arun"],
+                     "{tmp}/arun holds a run: run its own command"),
     "run on a set": (TINY + ["--out", "{tmp}/aset"], "{tmp}/aset holds the rows of --reproduce "
                      "demo, each a run in {tmp}/aset/<row>: run its own command"),
     "resume a set": (["--resume", "{tmp}/aset"], "{tmp}/aset holds the rows of --reproduce demo"),
@@ -2594,7 +2599,8 @@ def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
     sets = {name: _rows(jm.REPRODUCE[name][1])
             for name in ("methods", "gr-plugin", "k")}
     jm.draw(str(tmp_path), jm.RUN_FIGURES, _rows({"janus": ""}, seeds=(3, 4), T=1), "title")
-    texts = {name: [t.get_text() for ax in fig.axes for t in ax.texts] for name, fig in drawn.items()}
+    texts = {name: [t.get_text() for ax in fig.axes for t in ax.texts]
+             for name, fig in drawn.items()}
     assert texts == {"trajectories.png": ["-", "-", "measured from task 2 on"], "analyses.png": [
         "no past task", "no past task", "no old class in task 1"]}  # one task: nothing past
     jm.draw(str(tmp_path), jm.RUN_FIGURES, _rows({"janus": ""}, seeds=(3, 4)), "title")
@@ -2624,8 +2630,8 @@ def test_each_figure_draws_its_rows_values(tmp_path, monkeypatch):
         assert [bar.get_height() for bar in ax.patches] == pytest.approx([statistics.fmean(b) for b
             in zip(*(i["past"][j::2] for r in runs for i in r["interference"] if i))])
     assert [np.ravel(points.get_offsets()).tolist() for points in angular.collections] == [
-        pytest.approx([v for pair in zip(r["geometry"][-1]["cos_old"],
-                                         r["geometry"][-1]["cos_own"]) for v in pair]) for r in runs]
+        pytest.approx(np.ravel([r["geometry"][-1]["cos_old"], r["geometry"][-1]["cos_own"]],
+                               order="F").tolist()) for r in runs]
     for ax, metric in zip(drawn["gr_plugin.png"].axes, ("ACC", "MAA", "BWT")):
         stats = [jm.summarize(row["runs"])[metric] for row in sets["gr-plugin"].values()]
         assert [bar.get_height() for bar in ax.patches] == pytest.approx([s["mean"] for s in stats])
