@@ -2396,8 +2396,8 @@ BAD_INPUTS = {  # id: (argv, what the one line must say); {tmp}: the bad_files f
     "run on a set": (TINY + ["--out", "{tmp}/aset"], "{tmp}/aset holds the rows of --reproduce "
                      "demo, each a run in {tmp}/aset/<row>: run its own command"),
     "resume a set": (["--resume", "{tmp}/aset"], "{tmp}/aset holds the rows of --reproduce demo"),
-    "resume out": (["--resume", "{tmp}/arun", "--out", "x"], "--resume continues the run in its "
-                   "folder: leave out --out"),
+    "resume out": (["--resume", "{tmp}/arun", "--out", "{tmp}/x"], "--resume continues the run in "
+                   "its folder: leave out --out"),
     "state": (TINY + ["--out", "{tmp}/damaged"], "{tmp}/damaged/seed0.pt is no seed's state of "
               "janus_min.py (RuntimeError): move it away"),
     "foreign": (TINY + ["--out", "{tmp}/foreign"], "{tmp}/foreign/seed0.pt is no seed's state of "
@@ -2416,7 +2416,8 @@ def test_bad_input_gets_one_clear_line(case, bad_files, capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and said[0] in err, err
 
 
-def test_each_bound_that_a_refusal_names_takes_its_flag_at_it_and_refuses_it_past_it(capsys):
+def test_each_bound_that_a_refusal_names_takes_its_flag_at_it_and_refuses_it_past_it(
+        tmp_path, capsys):
     """Each number flag on its own, at each of its bounds and just past it: the least (LEAST, else 1
     for an int and above 0 for a float), the most (MOST), the backbone's width (WIDE). At it, the
     run is configured; past it, one line that names the flag, exit 2."""
@@ -2434,7 +2435,8 @@ def test_each_bound_that_a_refusal_names_takes_its_flag_at_it_and_refuses_it_pas
             bounds.append((most, most + step))
         n = len(args) if args and args[-1] is not Ellipsis else 1  # --gpm-threshold takes two
         for at, past in bounds:
-            argv = TINY + ["--no-gr", "--out", "x", *needs.get(f.name, []), jm.flag(f.name)]
+            argv = TINY + ["--no-gr", "--out", str(tmp_path), *needs.get(f.name, []),
+                           jm.flag(f.name)]
             assert jm.configure(argv + [str(at)] * n), (f.name, at)
             assert _exit(argv + [str(past)] * n) == 2, (f.name, past)
             err = capsys.readouterr().err
