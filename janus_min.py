@@ -50,20 +50,20 @@ except ImportError:  # Windows: runs without the lock
 
 
 # ==== Part 1. The method (Sec. 3) and the task loop ===============================================
-# Notation: the paper's, and ours for G, M and w. A K or V layer (key or value) maps its input x
+# Notation: the paper's symbols, and ours for G, M and w. A K or V layer (key or value) maps x
 # to x W^T, W = W0 + s B A (Eq. (1)): W0 (d_out, d_in) frozen, A (r, d_in) and B (d_out, r)
 # trained, s the LoRA scale; in a ViT, d_in = d_out = D. G = dL/dW, L the loss (Eq. (12)'s
-# L_total). A block's K and V layers share their input, the K/V input; a batch's, X, has a row per
-# token. The block's memory M (D, w) is an orthonormal basis of the finished tasks' K/V inputs'
-# directions that later updates must leave alone (Fig. 1's "Basis Memory"). OE's basis V (D, k)
-# spans the k leading directions of the current task's K/V inputs, and joins M at the task's end
-# (the paper's V stands for all past tasks: README, departures). X off M is X (I - M M^T).
+# L_total). A block's K and V layers share their input, the K/V input; a batch's K/V inputs X
+# have a row per token. The block's memory M (D, w) is an orthonormal basis of the directions of
+# the finished tasks' K/V inputs that later updates must leave alone (Fig. 1's "Basis Memory").
+# OE's basis V (D, k) spans the k leading directions of the current task's K/V inputs and joins M
+# at the task's end (the paper's V is for all past tasks: README). X off M is X (I - M M^T).
 
 @dataclass
 class Config:
     """Every setting a run computes with, each a flag (--lora-scale 2 sets lora_scale) whose --help
     is its comment. A value is the paper's where its text gives one (the section is named), else
-    the InfLoRA codebase's, else ours; None takes the data set's value (data.DATASETS)."""
+    the InfLoRA codebase's value, else ours; None takes the data set's value (data.DATASETS)."""
     # The method (Sec. 3 and 4.1). oe, gr and dml are Table 1's switches.
     rank: int = 10  # LoRA's rank r on K and V (Sec. 4.1); 0: no LoRA, the heads alone
     lora_scale: float = 1.0  # LoRA's scale s of Eq. (1) (ours: the paper gives none)
@@ -72,7 +72,7 @@ class Config:
     tau: float = 0.07  # DML's temperature tau (Sec. 4.1)
     lambda_dml: float = 1.0  # DML's weight lambda in Eq. (12) (Sec. 4.1)
     delta: float = 1e-6  # GR's Tikhonov constant delta, Eqs. (6)-(7) (App. B; the value is ours)
-    oe: bool = True  # the safe gradient and its memory: OE's, or GPM's (Table 1)
+    oe: bool = True  # the safe gradient and its memory, OE's or GPM's (Table 1)
     gr: bool = True  # GR (Table 1)
     dml: bool = True  # DML (Table 1)
     # OE's step on Eq. (8): Eq. (9)'s gradient step (plain), or one preconditioned (ours; the
@@ -81,7 +81,7 @@ class Config:
     oe_lr: float = 1.0  # OE's first step size per task (ours: the paper gives none)
     oe_decay_steps: int = 5  # OE's step size falls to half after this many steps (ours)
     # Each task's fresh A: off the memory M (Janus-LoRA's here; the paper does not say), as LoRA and
-    # the InfLoRA codebase draw it (the baselines'), or InfLoRA's, designed from the task and frozen
+    # the InfLoRA codebase draw it (the baselines' A), or InfLoRA's A, designed and frozen
     lora_a: Literal["off-memory", "kaiming", "inflora"] = "off-memory"
     # M: the finished tasks' OE bases (Fig. 1's Basis Memory), OE's current V (Sec. 3.2's words
     # read literally), or GPM's (LoRA-GPM, InfLoRA)
@@ -90,7 +90,7 @@ class Config:
     gpm_threshold: tuple[float, float] = None
     rectify: Literal["grad", "update"] = "grad"  # GR on the gradients (Sec. 3) or the step (ours)
     # Training (Sec. 4.1, and the InfLoRA codebase's where the paper gives no value)
-    lr: float = 5e-4  # Adam's learning rate (the InfLoRA codebase's)
+    lr: float = 5e-4  # Adam's learning rate (the InfLoRA codebase's value)
     epochs: int = None  # epochs per task (Sec. 4.1: CIFAR-100 20, ImageNet-R 50)
     batch_size: int = None  # images per step (Sec. 4.1: 128)
     # The data and the backbone (Sec. 4.1)
@@ -100,11 +100,11 @@ class Config:
     # ours: at most this many training images per class (the test set stays whole)
     limit_per_class: int = None
     # The pixels' range: [0, 1] (unit, the InfLoRA codebase's), the --weights' (checkpoint),
-    # [-1, 1] (half, Google's checkpoints') or ImageNet's mean and std (imagenet, DINO's)
+    # [-1, 1] (half, as Google's checkpoints were trained) or ImageNet's mean and std (imagenet)
     input_range: Literal["unit", "checkpoint", "half", "imagenet"] = "unit"
-    model: Literal[tuple(vit.PRESETS)] = "vit_base"  # the backbone (the paper's: ViT-B/16)
+    model: Literal[tuple(vit.PRESETS)] = "vit_base"  # the backbone (the paper's backbone: ViT-B/16)
     weights: str = "in21k"  # in21k (the paper's), dino (Table 4), none (random) or a file
-    patch_size: int = None  # the patch size (16, the paper's; Fashion-MNIST 7)
+    patch_size: int = None  # the patch size (16, as the paper's ViT-B/16; Fashion-MNIST 7)
     # The machine: bf16 and compiled blocks are ours, for speed on CUDA
     device: str = "auto"  # auto (CUDA if there is one), cpu, cuda or cuda:N
     precision: Literal["bf16", "fp32"] = "bf16"  # the backbone's on CUDA (a CPU runs fp32)
@@ -244,7 +244,7 @@ def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
 
 # ---- GR: Gradient Rectification, Eqs. (5)-(7) ----------------------------------------------------
 def rectify_gradients_(layers, delta):
-    """Replace each LoRA layer's factor gradients by GR's, all layers in one batch."""
+    """Replace each LoRA layer's factor gradients by GR's factor updates, all in one batch."""
     A = torch.stack([layer.A.detach() for layer in layers])  # (layers, r, d_in)
     B = torch.stack([layer.B.detach() for layer in layers])  # (layers, d_out, r)
     s = layers[0].scale
@@ -427,7 +427,7 @@ def start_learner(cfg, seed, backbone):
 def run_seed(learner, record, splits, cfg, after_task):
     """The task loop of one seed: each task that `record` (new_record, part 3) does not hold yet,
     trained, evaluated and analysed; after_task(learner, record) saves it, before it is reported.
-    splits: data.load_dataset's, the training and test images with their classes."""
+    splits: the training and test images with their classes (data.load_dataset)."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     for t in range(len(record["acc_matrix"]), cfg.tasks):
         start = time.time()  # a task's time: its training and its end (the method's passes)
@@ -471,7 +471,7 @@ def protected(learner, cfg):
 
 
 def give_memory(model, memory):
-    """Each K/V layer's M: its block's, as K and V of block j // 2 share their input."""
+    """Each K/V layer's M: its block's memory, as K and V of block j // 2 share their input."""
     for j, layer in enumerate(lora_layers(model)):
         layer.M = memory[j // 2]
 
@@ -616,15 +616,15 @@ def rectify_updates_(layers, before, memories, delta):
     projected off M (Theorem 3.1), rectified by GR, split as LoRA-Pro splits it. LoRA-Pro runs
     Adam on the full-size gradient; ours, on the factors, adds the projection off M (with an empty
     memory, plain LoRA under Adam, its step re-split)."""
-    A0 = torch.stack([a for a, _ in before])  # (L', r, d_in)
-    B0 = torch.stack([b for _, b in before])  # (L', d_out, r)
+    A0 = torch.stack([a for a, _ in before])  # (layers, r, d_in)
+    B0 = torch.stack([b for _, b in before])  # (layers, d_out, r)
     s = layers[0].scale
     dA = torch.stack([layer.A for layer in layers]) - A0  # Adam's proposed step
     dB = torch.stack([layer.B for layer in layers]) - B0
     M = stack_blocks(memories)
     # B^T dW_safe and dW_safe A^T, with dW_safe = dW (I - M M^T), in products r wide only
     BtW = rows_off_span(s * ((B0.mT @ B0) @ dA + (B0.mT @ dB) @ A0), M)
-    Ap = rows_off_span(A0, M).mT  # (I - M M^T) A^T  (L', d_in, r)
+    Ap = rows_off_span(A0, M).mT  # (I - M M^T) A^T  (layers, d_in, r)
     WAt = s * (B0 @ (dA @ Ap) + dB @ (A0 @ Ap))
     rA, rB = least_norm_split(*rectify_factors(BtW, WAt, A0, B0, s, delta), A0, B0)
     for layer, a, b in zip(layers, A0 + rA, B0 + rB):
@@ -730,7 +730,7 @@ def new_record(seed):
 def analyses_probe(factors, oe, current, cfg):
     """A function for evaluate to call on each batch of K/V inputs x, and the sums that it fills
     for Fig. 2 on real inputs: per K/V layer, ||x dW^T||^2 over the past tasks' tokens and over
-    the current task's, dW = s B A of the task's factors, and their numbers of tokens; with OE,
+    the current task's tokens, dW = s B A of the task's factors, and their numbers; with OE,
     oe = (V, M), and each block's X^T X over the current task's tokens. x comes from the model
     after the task (merged), not from the one that learned the past tasks."""
     sums = {"change": 0.0, "tokens": 0.0, "gram": 0.0, "oe": oe}
@@ -1064,7 +1064,7 @@ def check(cfg, typed):
 
 
 def result_values(config):
-    """A config's values that change results: not FREE's, nor those a switched-off part ignores;
+    """A config's values that change results: not FREE's values, nor what a switched-off part reads;
     a weights file by its name (the run knows its content by a digest: claim)."""
     unread = {name for switch, names in UNDER.items() if not config[switch] for name in names}
     return {k: os.path.basename(v) if k == "weights" else v for k, v in config.items()
@@ -1089,7 +1089,7 @@ def method_values(method, dataset):
 
 
 def machine(cfg):
-    """Where and in what a task runs: bf16 autocast is CUDA's, so a CPU runs in fp32."""
+    """Where and in what a task runs: bf16 autocast is CUDA's only, so a CPU runs in fp32."""
     cpu = f"cpu ({torch.get_num_threads()} threads) fp32"
     cuda = cfg.device.startswith("cuda") and f"{torch.cuda.get_device_name(cfg.device)} " \
         f"{cfg.precision}"
@@ -1139,7 +1139,7 @@ def written(path, content):
 
 
 def claimed(folder, reproduce=None):
-    """A folder's config.json (or None): a run's, or that of the --reproduce set asked for."""
+    """A folder's config.json (or None): a run's claim, or that of the --reproduce set asked for."""
     with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, "config.json")) as f:
         saved = json.load(f)
         if saved.get("reproduce") != reproduce:
@@ -1505,7 +1505,7 @@ def reproduce(cfg, argv):
         raise RunError(f"{', '.join(map(flag, set_by))}: set by the rows of --reproduce "
                        f"{cfg.reproduce}: leave it out")
     argv = [a for i, a in enumerate(argv) if a not in ("--dry-run", "--row")  # a row's command:
-            and not a.startswith("--row=") and argv[i - 1:i] != ["--row"]]  # the set's, its row
+            and not a.startswith("--row=") and argv[i - 1:i] != ["--row"]]  # the set's argv
     cfgs = {row: replace(configure(argv + flags.split()), reproduce=None,
                          out=os.path.join(cfg.out, row)) for row, flags in rows.items()}
     print(f"--reproduce {cfg.reproduce}: {what}; into {cfg.out}")

@@ -167,7 +167,7 @@ def load_pretrained(model, source="in21k"):
 
 
 def digest(model):
-    """A hex digest of the model's tensors: a backbone known by its content, not by a file's name."""
+    """A hex digest of the model's tensors: a backbone known by its content, not its file's name."""
     h = hashlib.sha256()
     for tensor in model.state_dict().values():
         h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
