@@ -1303,7 +1303,7 @@ def write_outputs(cfg, folder):
     """results.json, table.md and the run's figures, from the finished seeds' states."""
     if not (runs := records(cfg, folder)):
         return
-    config = dict(asdict(cfg), seeds=[r["seed"] for r in runs])
+    config = {**asdict(cfg), **folder["options"], "seeds": [r["seed"] for r in runs]}  # the run's
     results = {"config": config, "runs": runs, "summary": summarize(runs)}
     written(os.path.join(cfg.out, "results.json"), json.dumps(results, indent=1))
     name, flags = describe(config)
