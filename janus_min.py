@@ -323,13 +323,13 @@ class OnlineSubspace:
         # Eq. (8)'s loss (1/2) ||X_p - X_p V V^T||^2 has the gradient -2 E + E V^T V + V V^T E,
         # with E = X_p^T X_p V. Since V^T V = I, it is -(I - V V^T) E.
         E = []  # per block, X^T X_p V scaled for the step: by 1 / ||X_p||^2, or by S^-1 (ours)
-        for x, v, m in zip(X, V, M):
+        for x, v, M_i in zip(X, V, M):
             x = x.reshape(-1, v.shape[0]).float()  # (tokens, D)
             xv = x @ v  # (tokens, k): X_p V, as V is off M
             if step == "plain":
                 # Eq. (9)'s step, divided by ||X_p||^2, the sum of X_p^T X_p's eigenvalues: free
                 # of the inputs' scale and number, and eta times any eigenvalue is at most eta.
-                energy = x.square().sum() - (x @ m).square().sum()
+                energy = x.square().sum() - (x @ M_i).square().sum()
                 E.append(x.T @ xv / energy.clamp_min(torch.finfo(x.dtype).tiny))
             else:
                 # Ours: the gradient times S^-1, S = V^T E = (X_p V)^T (X_p V) plus a ridge.
@@ -339,7 +339,8 @@ class OnlineSubspace:
                 E.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))
         E = off_span(torch.stack(E), M)  # X_p^T = (I - M M^T) X^T
         grad = -(E - V @ (V.mT @ E))  # Eq. (8)'s gradient, scaled as above
-        # The step size after i steps: eta = oe_lr i0 / (i0 + i), i0 = --oe-decay-steps (ours).
+        # The step size, which halves after --oe-decay-steps steps (ours):
+        # eta = oe_lr oe_decay_steps / (oe_decay_steps + steps)
         eta = self.lr * self.decay_steps / (self.decay_steps + self.steps)
         V_tilde = V - eta * grad  # Eq. (9)
         # V~^T V~ = I + eta^2 grad^T grad >= I, as V^T grad = 0: qr_q's Cholesky is safe.
@@ -352,8 +353,8 @@ class OnlineSubspace:
         """A task's end: each block's M takes V's k columns (fewer where M has less room left), and
         a fresh V is drawn off the new M, its steps from 0. Returns the new memory."""
         room = [min(self.k, M.shape[0] - M.shape[1]) for M in memory]
-        memory = [torch.linalg.qr(torch.cat([M, v[:, :n]], dim=-1)).Q
-                  for M, v, n in zip(memory, self.V, room)]
+        memory = [torch.linalg.qr(torch.cat([M, v[:, :c]], dim=-1)).Q
+                  for M, v, c in zip(memory, self.V, room)]
         self.V = fresh_basis(memory, self.k)
         self.steps = 0
         return memory
@@ -364,7 +365,7 @@ def fresh_basis(memory, k):
     those. A block with room for fewer than k columns, D - w, gets that many, then zero columns."""
     M = stack_blocks(memory)  # (blocks, D, w)
     blocks, D, _ = M.shape
-    room = torch.tensor([min(k, D - m.shape[1]) for m in memory])  # (blocks,)
+    room = torch.tensor([min(k, D - M_i.shape[1]) for M_i in memory])  # (blocks,)
     # drawn on the CPU, so that a run's random numbers do not depend on the device
     V = torch.randn(blocks, D, int(room.max())).to(M.device)
     # Q with R's diagonal > 0, as Gram-Schmidt gives it, is uniform; LAPACK's Q is not, and its
@@ -604,7 +605,7 @@ def acc_maa_bwt(acc):
 # ---- Ours: --rectify update, GR on Adam's step ---------------------------------------------------
 def rectified_adam_step_(opt, layers, delta):
     """Adam's step, rectified against each layer's memory M (ours): Adam's per-coordinate scaling
-    moves a step of GR's gradients out of the safe set, and this puts it back."""
+    gives a step of GR's gradients a part on span(M), and this takes it off again."""
     before = [(layer.A.detach().clone(), layer.B.detach().clone()) for layer in layers]
     opt.step()
     rectify_updates_(layers, before, [layer.M for layer in layers], delta)
@@ -668,16 +669,16 @@ def compile_blocks(model):
 # ---- The baselines: GPM's memory (LoRA-GPM) and InfLoRA's A, as in the InfLoRA codebase ---------
 @torch.no_grad()
 def kv_covariance(model, images, cfg):
-    """Each block's uncentred K/V-input covariance (L, D, D) over every token of the images."""
-    C, n = 0.0, 0
+    """Each block's uncentred K/V-input covariance (blocks, D, D) over every token of the images."""
+    C, tokens = 0.0, 0
 
     def add(kv_inputs, y):
-        nonlocal C, n
-        X = [x.float().flatten(0, 1) for x in kv_inputs]  # (B (N + 1), D) per block
+        nonlocal C, tokens
+        X = [x.float().flatten(0, 1) for x in kv_inputs]  # (n (1 + patches), D) per block
         C = C + torch.stack([x.T @ x for x in X])
-        n += X[0].shape[0]
+        tokens += X[0].shape[0]
     features(model, images, cfg, add)
-    return C / n
+    return C / tokens
 
 
 def gpm_memory(learner, images, t, cfg):
@@ -689,7 +690,7 @@ def gpm_memory(learner, images, t, cfg):
 
 
 def gpm_extend(M, C, threshold):
-    """GPM: M (D, m) plus the fewest leading directions of (I - M M^T) C that bring the captured
+    """GPM: M (D, w) plus the fewest leading directions of (I - M M^T) C that bring the captured
     share of C's energy to the threshold; a direction's energy is its squared singular value."""
     C, M64 = C.double(), M.double()  # once per task: float64 keeps the memory orthonormal
     total = torch.linalg.svdvals(C).square().sum()
@@ -702,7 +703,7 @@ def gpm_extend(M, C, threshold):
 
 def set_inflora_a(model, memory, images, cfg):
     """InfLoRA's A for a task, from its K/V inputs off each block's memory: K and V share it."""
-    C = kv_covariance(model, images, cfg)  # (L, D, D)
+    C = kv_covariance(model, images, cfg)  # (blocks, D, D)
     A = [inflora_a(C_i, M_i, cfg.rank) for C_i, M_i in zip(C, memory)]
     with torch.no_grad():
         for j, layer in enumerate(lora_layers(model)):
@@ -736,17 +737,17 @@ def analyses_probe(factors, oe, current, cfg):
     sums = {"change": 0.0, "tokens": 0.0, "gram": 0.0, "oe": oe}
 
     def probe(kv_inputs, y):
-        now = (y[:, None] == torch.tensor(current, device=y.device)).any(1)  # (B,)
+        now = (y[:, None] == torch.tensor(current, device=y.device)).any(1)  # (n,)
         e = []
         for j, (A, B) in enumerate(factors):  # K and V of block j // 2 share its input
-            u = kv_inputs[j // 2].float() @ A.T  # (B, N + 1, r)
+            u = kv_inputs[j // 2].float() @ A.T  # (n, 1 + patches, r)
             e.append(cfg.lora_scale ** 2 * ((u @ (B.T @ B)) * u).sum((1, 2)))  # per image
-        e = torch.stack(e, 1)  # (B, layers)
+        e = torch.stack(e, 1)  # (n, layers)
         sums["change"] = sums["change"] + torch.stack([e[~now].sum(0), e[now].sum(0)])
-        n = torch.stack([(~now).sum(), now.sum()])[:, None] * kv_inputs[0].shape[1]
-        sums["tokens"] = sums["tokens"] + n
+        tokens = torch.stack([(~now).sum(), now.sum()])[:, None] * kv_inputs[0].shape[1]
+        sums["tokens"] = sums["tokens"] + tokens
         if oe:
-            X = [x[now].flatten(0, 1).float() for x in kv_inputs]  # (n, D) per block
+            X = [x[now].flatten(0, 1).float() for x in kv_inputs]  # (tokens, D) per block
             sums["gram"] = sums["gram"] + torch.stack([x.T @ x for x in X])
     return probe, sums
 
@@ -799,8 +800,8 @@ def subspace_error(V, memory, gram):
     out = {"sine": [], "capture": []}
     for v, M, G in zip(V.double(), memory, gram.double()):
         v = v[:, v.norm(dim=0) > 0]  # V's columns, fewer where M had less room
-        P = torch.eye(len(G), dtype=G.dtype, device=G.device) - M.double() @ M.double().T
-        C = P @ G @ P  # C = (I - M M^T) X^T X (I - M M^T)
+        M = M.double()
+        C = off_span(off_span(G, M).mT, M)  # C = (I - M M^T) X^T X (I - M M^T)
         energy, U = torch.linalg.eigh(C)
         k = v.shape[1]
         cos = torch.linalg.svdvals(U[:, len(G) - k:].T @ v)
@@ -1541,7 +1542,7 @@ def benchmark(cfg):
     sync = torch.get_device_module(cfg.device).synchronize  # CUDA's kernels run asynchronously
     classes = data.DATASETS[cfg.dataset]["num_classes"] // cfg.tasks
     backbone = build_model(replace(cfg, weights="none"))  # random weights: the same cost
-    m = min(cfg.k * (cfg.tasks // 2), backbone.embed_dim - cfg.k)  # the memory at mid-run
+    w = min(cfg.k * (cfg.tasks // 2), backbone.embed_dim - cfg.k)  # the memory's width at mid-run
     images = torch.randn(cfg.batch_size, 3, cfg.img_size, cfg.img_size, device=cfg.device)
     y = torch.randint(0, classes, (cfg.batch_size,), device=cfg.device)
     steps, ms = {}, {name: [] for name in BENCHMARKED}
@@ -1549,7 +1550,7 @@ def benchmark(cfg):
         flags.split())[1]}  # of the flags that a method sets, whatever --method was typed
     for name, method in BENCHMARKED.items():
         vcfg = replace(cfg, **{**defaults, **parse(METHODS[method][0].split())[1]})
-        learner = mid_run_learner(vcfg, backbone, m, classes)
+        learner = mid_run_learner(vcfg, backbone, w, classes)
         steps[name] = partial(train_step, learner, adam(learner, vcfg), images, y, vcfg)
         for _ in range(5):  # warm-up: the allocator, the kernels, Adam's state
             steps[name]()
@@ -1560,7 +1561,7 @@ def benchmark(cfg):
             step()
             sync(cfg.device)  # a step's time ends when its kernels do
             ms[name].append(1e3 * (time.perf_counter() - start))
-    print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {m} columns per block, "
+    print(f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, memory {w} columns per block, "
           f"{machine(cfg)}, compiled {cfg.compile}, {cfg.steps} rounds:\n"
           "variant        ms/step  images/s  x plain (median)")
     for name, t in ms.items():
@@ -1570,12 +1571,12 @@ def benchmark(cfg):
     return 0
 
 
-def mid_run_learner(cfg, backbone, m, classes):
-    """A learner at mid-run: a random memory of m columns, V and A off it, old prototypes."""
+def mid_run_learner(cfg, backbone, w, classes):
+    """A learner at mid-run: a random memory of w columns, V and A off it, old prototypes."""
     learner = start_learner(cfg, 0, backbone)
-    L, D = len(backbone.blocks), backbone.embed_dim
+    blocks, D = len(backbone.blocks), backbone.embed_dim
     if cfg.oe:
-        learner.memory = list(torch.linalg.qr(torch.randn(L, D, m)).Q.to(cfg.device))
+        learner.memory = list(torch.linalg.qr(torch.randn(blocks, D, w)).Q.to(cfg.device))
         if learner.subspace is not None:  # GPM's memory comes with no OE basis
             learner.subspace.V = fresh_basis(learner.memory, cfg.k)
         for j, layer in enumerate(lora_layers(learner.model)):
