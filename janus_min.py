@@ -50,12 +50,12 @@ except ImportError:  # Windows: runs without the lock
 
 
 # ==== Part 1. The method (Sec. 3) and the task loop ===============================================
-# Notation: the paper's symbols, and ours for G, M and w. A K or V layer (key or value) maps x
+# Notation: the paper's symbols, and ours for G, M and w. A key or value layer (K or V) maps x
 # to x W^T, W = W0 + s B A (Eq. (1)): W0 (d_out, d_in) frozen, A (r, d_in) and B (d_out, r)
 # trained, s the LoRA scale; in a ViT, d_in = d_out = D. G = dL/dW, L the loss (Eq. (12)'s
 # L_total). A block's K and V layers share their input, the K/V input; a batch's K/V inputs X
-# have a row per token. The block's memory M (D, w) is an orthonormal basis of the directions of
-# the finished tasks' K/V inputs that later updates must leave alone (Fig. 1's "Basis Memory").
+# have a row per token. The block's memory M (D, w) holds w orthonormal columns: the directions
+# of the finished tasks' K/V inputs that later updates must leave alone (Fig. 1's "Basis Memory").
 # OE's basis V (D, k) spans the k leading directions of the current task's K/V inputs and joins M
 # at the task's end (the paper's V is for all past tasks: README). X off M is X (I - M M^T).
 
@@ -71,8 +71,8 @@ class Config:
     margin: float = 0.3  # DML's margin m (Sec. 4.1)
     tau: float = 0.07  # DML's temperature tau (Sec. 4.1)
     lambda_dml: float = 1.0  # DML's weight lambda in Eq. (12) (Sec. 4.1)
-    delta: float = 1e-6  # GR's Tikhonov constant delta, Eqs. (6)-(7) (App. B; the value is ours)
-    oe: bool = True  # the safe gradient and its memory, OE's or GPM's (Table 1)
+    delta: float = 1e-6  # GR's Tikhonov constant delta, Eqs. (6)-(7), App. A.2 (the value is ours)
+    oe: bool = True  # the safe gradient and its memory, OE's memory or GPM's memory (Table 1)
     gr: bool = True  # GR (Table 1)
     dml: bool = True  # DML (Table 1)
     # OE's step on Eq. (8): Eq. (9)'s gradient step (plain), or one preconditioned (ours; the
@@ -80,16 +80,16 @@ class Config:
     oe_step: Literal["preconditioned", "plain"] = "preconditioned"
     oe_lr: float = 1.0  # OE's first step size per task (ours: the paper gives none)
     oe_decay_steps: int = 5  # OE's step size falls to half after this many steps (ours)
-    # Each task's fresh A: off the memory M (Janus-LoRA's here; the paper does not say), as LoRA and
-    # the InfLoRA codebase draw it (the baselines' A), or InfLoRA's A, designed and frozen
+    # Each task's fresh A: off the memory M (our choice for Janus-LoRA; the paper does not say), as
+    # LoRA and the InfLoRA codebase draw it (the baselines' A), or InfLoRA's A, designed and frozen
     lora_a: Literal["off-memory", "kaiming", "inflora"] = "off-memory"
     # M: the finished tasks' OE bases (Fig. 1's Basis Memory), OE's current V (Sec. 3.2's words
-    # read literally), or GPM's (LoRA-GPM, InfLoRA)
+    # read literally), or GPM's basis (LoRA-GPM, InfLoRA)
     memory: Literal["tasks", "rolling", "gpm"] = "tasks"
-    # GPM's energy share at task 1 and task T (default: InfLoRA's code's 0.95 1; ImageNet-R 0.98 1)
+    # GPM's energy shares at tasks 1 and T (InfLoRA's code: 0.95 and 1; ImageNet-R 0.98 and 1)
     gpm_threshold: tuple[float, float] = None
     rectify: Literal["grad", "update"] = "grad"  # GR on the gradients (Sec. 3) or the step (ours)
-    # Training (Sec. 4.1, and the InfLoRA codebase's where the paper gives no value)
+    # Training (Sec. 4.1; the InfLoRA codebase's values where the paper gives none)
     lr: float = 5e-4  # Adam's learning rate (the InfLoRA codebase's value)
     epochs: int = None  # epochs per task (Sec. 4.1: CIFAR-100 20, ImageNet-R 50)
     batch_size: int = None  # images per step (Sec. 4.1: 128)
@@ -99,11 +99,11 @@ class Config:
     img_size: int = None  # the input resolution (224; synthetic 64, Fashion-MNIST 28)
     # ours: at most this many training images per class (the test set stays whole)
     limit_per_class: int = None
-    # The pixels' range: [0, 1] (unit, the InfLoRA codebase's), the --weights' (checkpoint),
-    # [-1, 1] (half, as Google's checkpoints were trained) or ImageNet's mean and std (imagenet)
+    # The pixels' range: [0, 1] (unit, as the InfLoRA codebase feeds them), the --weights' training
+    # range (checkpoint), [-1, 1] (half) or ImageNet's mean and std (imagenet)
     input_range: Literal["unit", "checkpoint", "half", "imagenet"] = "unit"
     model: Literal[tuple(vit.PRESETS)] = "vit_base"  # the backbone (the paper's backbone: ViT-B/16)
-    weights: str = "in21k"  # in21k (the paper's), dino (Table 4), none (random) or a file
+    weights: str = "in21k"  # in21k (the paper's weights), dino (Table 4), none (random) or a file
     patch_size: int = None  # the patch size (16, as the paper's ViT-B/16; Fashion-MNIST 7)
     # The machine: bf16 and compiled blocks are ours, for speed on CUDA
     device: str = "auto"  # auto (CUDA if there is one), cpu, cuda or cuda:N
@@ -168,7 +168,7 @@ class LoRALinear(nn.Linear):
     X_past), with no d_out x d_in matrix formed. M (D, w) is its block's memory (start_task)."""
 
     def __init__(self, in_features, out_features, rank, scale):
-        super().__init__(in_features, out_features)  # W0 and its bias: the checkpoint's
+        super().__init__(in_features, out_features)  # W0 and its bias, from the checkpoint
         self.requires_grad_(False)
         self.scale = float(scale)
         self.A = nn.Parameter(torch.empty(rank, in_features))
@@ -204,7 +204,8 @@ class LoRALinear(nn.Linear):
             self.A.copy_(nn.init.kaiming_uniform_(torch.empty(self.A.shape), a=math.sqrt(5)))
         if M is not None:
             M = M.to(self.A.dtype)
-            # A <- A (I - M M^T); exactly 0 under a full memory, not round-off that GR would grow
+            # A <- A (I - M M^T). Under a full memory (w = D) this leaves round-off, which Eq. (7)'s
+            # R A^T (A A^T + delta I)^-1 would multiply by up to 1 / delta: A is then set to 0.
             self.A -= (self.A @ M) @ M.T
             if M.shape[1] == M.shape[0]:
                 self.A.zero_()
@@ -212,8 +213,8 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merge_(self):
-        """A task's end: W0 <- W0 + s B A (ours), so that each task starts a fresh pair and the
-        deployed model is a plain ViT, of the appendix's "identical deployment costs"."""
+        """A task's end: W0 <- W0 + s B A (ours), so that each task starts a fresh pair, and the
+        deployed model is a plain ViT, with the "identical deployment costs" of App. B.2."""
         self.weight += self.scale * (self.B @ self.A).to(self.weight.dtype)
 
 
@@ -225,9 +226,8 @@ def lora_layers(model):
 # ---- The Decoupled Margin Loss, Eq. (11) ---------------------------------------------------------
 def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     """Eq. (11) for features z (n, D) of classes y (n,) among the current task's num_classes, and
-    the old prototypes (old classes, D), unit rows. The current prototypes are the batch's unit
-    class means, with the gradient through them (ours: the paper does not say). With no old
-    prototype (task 1), Eq. (11) is its first term alone."""
+    the old prototypes (old classes, D), unit rows. The current prototypes: the batch's unit class
+    means, in the graph (ours: the paper does not say). In task 1, the first term alone."""
     z = F.normalize(z.float(), dim=1)
     onehot = F.one_hot(y, num_classes or int(y.max()) + 1).float()  # (n, classes)
     protos = F.normalize(onehot.T @ z, dim=1)  # (classes, D); a class absent from the batch: 0
@@ -237,7 +237,7 @@ def dml_loss(z, y, old_prototypes, margin=0.3, tau=0.07, num_classes=None):
     intra = F.cross_entropy(logits, y)
     if old_prototypes.shape[0] == 0:
         return intra
-    # the mean over i in the batch and p_j in C_past of max(0, s_ij - m), cosine s_ij = z_i . p_j
+    # mean over i in the batch, p_j in C_past of max(0, s_ij - m), s_ij = z_i . p_j (not scale s)
     hinge = F.relu(z @ old_prototypes.T - margin)  # (n, old classes)
     return intra + hinge.mean()
 
@@ -249,7 +249,8 @@ def rectify_gradients_(layers, delta):
     B = torch.stack([layer.B.detach() for layer in layers])  # (layers, d_out, r)
     s = layers[0].scale
     # The chain rule gives A.grad = s B^T G_safe and B.grad = s G_safe A^T, all that GR needs.
-    # (Eq. (4) prints them as (dW)^T B and A^T dW, shapes that match no factor, and without s.)
+    # (Eq. (4) prints them as (dW)^T B, of A^T's shape (d_in, r), and A^T dW, defined only where
+    # r = d_out, both without s.)
     BtG = torch.stack([layer.A.grad for layer in layers]) / s  # B^T G_safe (layers, r, d_in)
     GAt = torch.stack([layer.B.grad for layer in layers]) / s  # G_safe A^T (layers, d_out, r)
     dA, dB = rectify_factors(BtG, GAt, A, B, s, delta)
@@ -259,8 +260,8 @@ def rectify_gradients_(layers, delta):
 
 
 def rectify_factors(BtG, GAt, A, B, scale, delta):
-    """GR's dA (..., r, d_in) and dB (..., d_out, r), Eqs. (6)-(7), from B^T G_safe and
-    G_safe A^T alone: G_safe itself is never formed. In float64: B^T B starts at 0 in each task."""
+    """GR's dA (..., r, d_in) and dB (..., d_out, r), Eqs. (6)-(7), from B^T G_safe and G_safe A^T
+    alone, G_safe never formed. In float64: B = 0 at a task's start makes B^T B + delta I tiny."""
     # Why it is right, as delta -> 0, for B and A of rank r. Let P_B = B (B^T B)^-1 B^T project
     # onto span(B), and P_A = A^T (A A^T)^-1 A onto A's row space. Eq. (6) gives s B dA =
     # P_B G_safe, so that R = (I - P_B) G_safe, and Eq. (7) gives s dB A = R P_A. What is left of
@@ -283,21 +284,21 @@ def rectify_factors(BtG, GAt, A, B, scale, delta):
 
 
 def gram(X):
-    """X^T X of X (..., rows, k), in float64, where float32's round-off fails Cholesky on rank-one
-    inputs (test_oe_stays_positive_definite_and_orthonormal_and_converges)."""
+    """X^T X of X (..., rows, cols), in float64, where float32's round-off fails Cholesky on
+    rank-one inputs (test_oe_stays_positive_definite_and_orthonormal_and_converges)."""
     X = X.double()
     return X.mT @ X
 
 
 def ridge(S, eps):
-    """S + eps * mean(eig S) * I, a ridge relative to S's scale, for Gram matrices S (..., k, k)."""
+    """S + eps * mean(eig S) * I for Gram matrices S (..., size, size): a ridge relative to S."""
     lam = eps * S.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(S.dtype).tiny  # S = 0: finite
     return S + lam[..., None, None] * torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
 
 
 def spd_solve(S, rhs):
-    """S^-1 rhs for positive definite S (..., k, k), by Cholesky. cholesky_ex, unlike cholesky,
-    does not check its result, which would make a GPU wait."""
+    """S^-1 rhs for positive definite S (..., size, size), by Cholesky. cholesky_ex, unlike
+    cholesky, does not check its result, which would make a GPU wait."""
     low = torch.linalg.cholesky_ex(S).L  # S = low low^T
     y = torch.linalg.solve_triangular(low, rhs, upper=False)
     return torch.linalg.solve_triangular(low.mT, y, upper=True)
@@ -322,25 +323,24 @@ class OnlineSubspace:
             return
         # Eq. (8)'s loss (1/2) ||X_p - X_p V V^T||^2 has the gradient -2 E + E V^T V + V V^T E,
         # with E = X_p^T X_p V. Since V^T V = I, it is -(I - V V^T) E.
-        E = []  # per block, X^T X_p V scaled for the step: by 1 / ||X_p||^2, or by S^-1 (ours)
+        E_step = []  # per block, E scaled for the step: E / ||X_p||^2, or E S^-1 (ours)
         for x, v, M_i in zip(X, V, M):
             x = x.reshape(-1, v.shape[0]).float()  # (tokens, D)
             xv = x @ v  # (tokens, k): X_p V, as V is off M
             if step == "plain":
-                # Eq. (9)'s step, divided by ||X_p||^2, the sum of X_p^T X_p's eigenvalues: free
-                # of the inputs' scale and number, and eta times any eigenvalue is at most eta.
+                # Eq. (9)'s step, divided by ||X_p||^2, the sum of X_p^T X_p's eigenvalues: each
+                # eigenvalue of X_p^T X_p / ||X_p||^2 is at most 1, whatever the inputs' scale.
                 energy = x.square().sum() - (x @ M_i).square().sum()
-                E.append(x.T @ xv / energy.clamp_min(torch.finfo(x.dtype).tiny))
+                E_step.append(x.T @ xv / energy.clamp_min(torch.finfo(x.dtype).tiny))
             else:
-                # Ours: the gradient times S^-1, S = V^T E = (X_p V)^T (X_p V) plus a ridge.
-                # At a step size of 1, V - (-(I - V V^T) E S^-1) = E S^-1, whose columns span
-                # X_p^T X_p V: a step of subspace iteration. S^-1 multiplies X V before X^T does.
+                # Ours: the gradient times S^-1, S = V^T E = (X_p V)^T (X_p V) plus a ridge. At
+                # a step size of 1, V - (-(I - V V^T) E S^-1) = E S^-1, whose columns span
+                # X_p^T X_p V: a step of subspace iteration. Computed as X^T (X_p V S^-1).
                 S = ridge(gram(xv), 1e-6)  # (k, k)
-                E.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))
-        E = off_span(torch.stack(E), M)  # X_p^T = (I - M M^T) X^T
-        grad = -(E - V @ (V.mT @ E))  # Eq. (8)'s gradient, scaled as above
-        # The step size, which halves after --oe-decay-steps steps (ours):
-        # eta = oe_lr oe_decay_steps / (oe_decay_steps + steps)
+                E_step.append(x.T @ spd_solve(S, xv.mT.double()).mT.to(x.dtype))
+        E_step = off_span(torch.stack(E_step), M)  # X_p^T = (I - M M^T) X^T
+        grad = -(E_step - V @ (V.mT @ E_step))  # Eq. (8)'s gradient, scaled as above
+        # eta = oe_lr oe_decay_steps / (oe_decay_steps + steps), halved after oe_decay_steps (ours)
         eta = self.lr * self.decay_steps / (self.decay_steps + self.steps)
         V_tilde = V - eta * grad  # Eq. (9)
         # V~^T V~ = I + eta^2 grad^T grad >= I, as V^T grad = 0: qr_q's Cholesky is safe.
@@ -368,8 +368,8 @@ def fresh_basis(memory, k):
     room = torch.tensor([min(k, D - M_i.shape[1]) for M_i in memory])  # (blocks,)
     # drawn on the CPU, so that a run's random numbers do not depend on the device
     V = torch.randn(blocks, D, int(room.max())).to(M.device)
-    # Q with R's diagonal > 0, as Gram-Schmidt gives it, is uniform; LAPACK's Q is not, and its
-    # signs would depend on the device.
+    # Q with R's diagonal > 0, as Gram-Schmidt gives it, is uniform (Mezzadri, Notices of the AMS,
+    # 2007); LAPACK's Q is not, and its signs may differ between devices.
     Q, R = torch.linalg.qr(off_span(V, M))
     keep = torch.arange(V.shape[-1]) < room[:, None]  # the columns each block has room for
     return Q * (R.diagonal(dim1=-2, dim2=-1).sign() * keep.to(M.device))[..., None, :]
@@ -398,8 +398,7 @@ def qr_q(V):
 # ---- The task loop, the InfLoRA codebase's protocol: exemplar-free, a linear head per task trained
 # by its cross-entropy, and at test the argmax over all heads, with no task id -------------------
 def build_model(cfg):
-    """The backbone of cfg.model with LoRA on K and V, loaded from cfg.weights, frozen, in eval
-    mode for good (the ViT has no dropout)."""
+    """cfg.model with LoRA on K and V, cfg.weights loaded, frozen, in eval mode (no dropout)."""
     torch.manual_seed(0)  # with --weights none, one random backbone plays the checkpoint for all
     kv_layer = partial(LoRALinear, rank=cfg.rank, scale=cfg.lora_scale)
     model = vit.PRESETS[cfg.model](img_size=cfg.img_size, patch_size=cfg.patch_size,
@@ -431,7 +430,7 @@ def run_seed(learner, record, splits, cfg, after_task):
     splits: the training and test images with their classes (data.load_dataset)."""
     tasks = data.task_classes(splits.num_classes, cfg.tasks)
     for t in range(len(record["acc_matrix"]), cfg.tasks):
-        start = time.time()  # a task's time: its training and its end (the method's passes)
+        start = time.time()  # a task's time: its start, training and end (the method's passes)
         memory = start_task(learner, t, tasks, splits, cfg)
         record["throughput"].append(train_task(learner, t, tasks, splits, cfg, record["seed"]))
         oe = learner.subspace and (learner.subspace.V, learner.memory)  # for the analyses
@@ -519,17 +518,17 @@ def adam(learner, cfg):
 
 
 def lr_factor(epoch, epochs):
-    """The lr factor of a task's epoch (from 0) of E = epochs, as the InfLoRA codebase steps its
-    CosineSchedule under Adam: 1, then cos(99 pi e / (200 (E - 1))) for e = epoch - 1."""
-    if epoch == 0 or epochs == 1:  # the codebase divides by zero at E = 1: one epoch at lr
+    """The lr factor of a task's epoch (from 0) of `epochs`, as the InfLoRA codebase steps its
+    CosineSchedule under Adam: 1, then cos(99 pi (epoch - 1) / (200 (epochs - 1)))."""
+    if epoch == 0 or epochs == 1:  # the codebase divides by zero with one epoch: one epoch at lr
         return 1.0
     return math.cos(99 * math.pi * (epoch - 1) / (200 * (epochs - 1)))
 
 
 @torch.no_grad()
 def end_task(learner, t, tasks, splits, cfg):
-    """Task t's end: DML's old prototypes gain the task's classes, each memory M its basis V, W0 the
-    LoRA pairs, which start afresh. Returns each layer's (A, B) from before the merge."""
+    """Task t's end: DML's old prototypes gain the task's classes; each block's M gains its OE basis
+    V; each W0 absorbs s B A, and a fresh pair is drawn. Returns each layer's (A, B) before that."""
     images = data.subset(splits.train_eval, tasks[t])  # the task's training images, test transform
     z, y = features(learner.model, images, cfg)
     learner.prototypes = torch.cat([learner.prototypes, class_prototypes(z, y, tasks[t])])
@@ -555,8 +554,8 @@ def class_prototypes(z, y, classes):
 @torch.no_grad()
 def evaluate(learner, splits, tasks, cfg, measure=None):
     """One pass over the seen tasks' test images, calling measure(K/V inputs, y) on each batch.
-    Returns row t of the accuracies, task-agnostic (InfLoRA's protocol: the argmax over all heads)
-    and task-aware (ours: the true task's head), over the samples, and the task's z and y."""
+    Returns row t of the accuracies, task-agnostic (the argmax over all heads) and task-aware (ours:
+    the true task's head); the accuracy over all seen test images; the current task's test z, y."""
     heads, t = learner.heads, len(learner.heads) - 1
     seen = torch.tensor([c for classes in tasks[:t + 1] for c in classes], device=cfg.device)
     z, y = features(learner.model, data.subset(splits.test, seen.tolist()), cfg, measure)
@@ -592,9 +591,9 @@ def features(model, images, cfg, measure=None):
 
 
 def acc_maa_bwt(acc):
-    """Sec. 4.1's ACC = mean_i A[T][i], MAA = mean_t mean_(i <= t) A[t][i] and BWT = mean_(i < T)
-    (A[T][i] - A[i][i]) (None with one task), of acc = A: A[t][i] the accuracy (%) on task i
-    after task t."""
+    """Sec. 4.1's metrics of acc, where acc[t][i] is the accuracy (%) on task i after task t, both
+    counted from 0: ACC = mean_i acc[T-1][i], MAA = mean_t mean_(i <= t) acc[t][i] and BWT =
+    mean_(i < T-1) (acc[T-1][i] - acc[i][i]) (None with one task)."""
     T = len(acc)
     maa = sum(sum(acc[t][: t + 1]) / (t + 1) for t in range(T)) / T
     bwt = sum(acc[T - 1][i] - acc[i][i] for i in range(T - 1)) / (T - 1) if T > 1 else None
