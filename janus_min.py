@@ -1391,8 +1391,8 @@ def plot_analyses(fig, rows):
         changes = [i["past"][j::2] for r in runs for i in r["interference"] if i]
         heights = [mean(b) for b in zip(*changes)]
         ax.bar(range(len(heights)), heights)
-        ax.set(xlabel="block", ylabel="past change (RMS per token)", ylim=(0, max(heights or [0])
-                                                                           * 1.1 or 1))
+        ax.set(xlabel="block", xticks=range(len(heights)), ylabel="past change (RMS per token)",
+               ylim=(0, max(heights or [0]) * 1.1 or 1))
         ax.set_title(f"Fig. 2, {'KV'[j]}: past change, mean over tasks 2..T", fontsize=9)
         if not any(heights):
             ax.text(0.5, 0.5, "no past task" if not changes else "0: no change", ha="center",
