@@ -261,7 +261,7 @@ def rectify_gradients_(layers, delta):
 
 def rectify_factors(BtG, GAt, A, B, scale, delta):
     """GR's dA (..., r, d_in) and dB (..., d_out, r), Eqs. (6)-(7), from B^T G_safe and G_safe A^T
-    alone, G_safe never formed. In float64: B = 0 at a task's start makes B^T B + delta I tiny."""
+    alone, G_safe never formed. In float64: B^T B + delta I is ill-conditioned once B has grown."""
     # Why it is right, as delta -> 0, for B and A of rank r. Let P_B = B (B^T B)^-1 B^T project
     # onto span(B), and P_A = A^T (A A^T)^-1 A onto A's row space. Eq. (6) gives s B dA =
     # P_B G_safe, so that R = (I - P_B) G_safe, and Eq. (7) gives s dB A = R P_A. What is left of
