@@ -1498,9 +1498,7 @@ def reproduce(cfg, argv):
     """Each row as a run in OUT/<row>/ (the jobs of an array share them), then table.md and the
     figures of the rows done, whichever jobs ran them."""
     what, rows, figures = REPRODUCE[cfg.reproduce]
-    typed = parse(argv)[1]
-    preset = METHODS[typed["method"]][0].split() if "method" in typed else []
-    typed = {**parse(preset)[1], **typed}  # with the flags that a typed --method sets
+    typed = parse(argv)[0]  # the flags typed, and those that a typed --method sets
     if set_by := sorted({k for flags in rows.values() for k in parse(flags.split())[1]} & {*typed}):
         raise RunError(f"{', '.join(map(flag, set_by))}: set by the rows of --reproduce "
                        f"{cfg.reproduce}: leave it out")
