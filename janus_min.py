@@ -804,8 +804,7 @@ def subspace_error(V, memory, gram):
         energy, U = torch.linalg.eigh(C)
         k = v.shape[1]
         cos = torch.linalg.svdvals(U[:, len(G) - k:].T @ v)
-        sine = (1 - cos.min() ** 2).clamp_min(0).sqrt() if k else None
-        out["sine"].append(None if sine is None else float(sine))
+        out["sine"].append(float((1 - cos.min() ** 2).clamp_min(0).sqrt()) if k else None)
         out["capture"].append(float((v.T @ C @ v).trace() / energy[-k:].sum()) if k else None)
     return out
 
@@ -947,7 +946,7 @@ def parser():
     for f in fields(Options):
         kind, args = getattr(f.type, "__origin__", f.type), get_args(f.type)
         shown = " ".join(map(str, f.default)) if kind is tuple and f.default else f.default
-        shown = {True: "on", False: "off"}.get(shown, shown)
+        shown = ("off", "on")[shown] if f.type is bool else shown  # 1.0 == True: test the type
         kw = dict(help=helps[f.name] + ("" if shown is None else f" (default: {shown})"))
         if f.type is bool:  # a switch: --NAME and --no-NAME
             kw.update(action=argparse.BooleanOptionalAction)
