@@ -1510,7 +1510,7 @@ def reproduce(cfg, argv):
         os.makedirs(cfg.out, exist_ok=True)
         written(os.path.join(cfg.out, "config.json"), json.dumps({"reproduce": cfg.reproduce}))
     for row in [cfg.row] if cfg.row else rows:
-        print(f"{row} ({rows[row] or 'no flag'}): {command(argv + ['--row', row])}", flush=True)
+        print(row, f"({rows[row] or 'no flag'}):", command(argv + ["--row", row]), flush=True)
         if not cfg.dry_run:
             run(cfgs[row])
     ends = {} if cfg.dry_run else {row: records(c, claimed(c.out)) for row, c in cfgs.items()}
